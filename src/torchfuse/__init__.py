@@ -1,0 +1,13 @@
+"""torchfuse: a small, readable fusing compiler for PyTorch.
+
+    torch.compile(model, backend="torchfuse")      # through Dynamo + AOTAutograd
+    torchfuse.compile(model)                       # the same with torchfuse's defaults
+    torchfuse.explain(fn, *args)                   # what was fused, what fell back, and why
+    torchfuse.counters                             # process-wide counters
+"""
+from .config import Config
+from .counters import counters
+from .api import compile, explain, Explanation, KernelInfo, FallbackInfo
+
+__all__ = ["Config", "counters", "compile", "explain", "Explanation", "KernelInfo", "FallbackInfo"]
+__version__ = "0.1.0"

@@ -1,0 +1,87 @@
+"""The user-facing entry points: `compile`, `explain` and the `Explanation` report."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .config import Config
+
+
+@dataclass
+class KernelInfo:
+    """One generated kernel."""
+    name: str
+    backend: str                 # "cpp", "triton" or "interpreter"
+    source: str                  # the kernel's own source text
+    nodes: list[str]             # the aten nodes fused into it (e.g. "mul_1: aten.mul.Tensor")
+    kind: str = "pointwise"      # "pointwise" or "reduction"
+
+    def __str__(self) -> str:
+        return f"{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
+
+
+@dataclass
+class FallbackInfo:
+    """One aten op that ran through ATen inside a compiled graph."""
+    node: str
+    op: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.node}: {self.op} ({self.reason})"
+
+
+@dataclass
+class Explanation:
+    """What torchfuse did to a program: graphs per stage, kernels, fallbacks, refused fusions."""
+    graphs: list[str] = field(default_factory=list)
+    kernels: list[KernelInfo] = field(default_factory=list)
+    fallbacks: list[FallbackInfo] = field(default_factory=list)
+    refused_fusions: list[str] = field(default_factory=list)
+    passes: list[str] = field(default_factory=list)
+    output: Any = None
+
+    def __str__(self) -> str:
+        lines = [f"torchfuse explanation: {len(self.graphs)} graph stage(s), {len(self.kernels)} kernel(s), "
+                 f"{len(self.fallbacks)} ATen fallback(s)"]
+        if self.passes:
+            lines.append("\npasses:")
+            lines += [f"  {p}" for p in self.passes]
+        lines.append("\nkernels:")
+        lines += [f"  {k}" for k in self.kernels] or ["  (none)"]
+        lines.append("\nfallbacks to ATen:")
+        lines += [f"  {f}" for f in self.fallbacks] or ["  (none)"]
+        if self.refused_fusions:
+            lines.append("\nrefused fusions:")
+            lines += [f"  {r}" for r in self.refused_fusions]
+        return "\n".join(lines)
+
+
+def compile(fn: Callable | None = None, *, mode: str | None = None, dynamic: bool | None = None,
+            fullgraph: bool = False, options: Mapping[str, Any] | None = None) -> Callable:
+    """`torch.compile(fn, backend="torchfuse")` with torchfuse's defaults; usable as a decorator."""
+    from .frontend.dynamo import TorchfuseBackend
+
+    def wrap(f: Callable) -> Callable:
+        backend = TorchfuseBackend(Config.from_options(options, mode=mode))
+        return torch.compile(f, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+
+    return wrap if fn is None else wrap(fn)
+
+
+def explain(fn: Callable, *args: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> Explanation:
+    """Compile `fn` with torchfuse, run it once on `args`, and report what was generated.
+
+    Dynamo's caches are reset first so that the report describes a fresh compilation.
+    """
+    from .frontend.dynamo import TorchfuseBackend
+
+    torch._dynamo.reset()
+    report = Explanation()
+    backend = TorchfuseBackend(Config.from_options(options), report=report)
+    compiled = torch.compile(fn, backend=backend)
+    report.output = compiled(*args, **kwargs)
+    torch._dynamo.reset()
+    return report

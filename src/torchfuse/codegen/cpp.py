@@ -1,0 +1,448 @@
+"""C++/OpenMP code generation: one translation unit per graph, one function per kernel.
+
+The outer loop is `omp parallel for`; the innermost loop carries `omp simd` so g++ vectorizes
+it.  fp16/bf16 are stored as uint16 and computed in float.  Sizes that Dynamo made symbolic are
+function arguments, so a new batch size runs the same compiled library.  No -ffast-math: NaN,
+inf and signed zeros behave as in eager.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+from ..ir.nodes import INDEX, Node, free_syms, to_text
+from ..scheduler.loops import LoopPlan, Stage
+
+CTYPE = {
+    torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
+    torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
+    torch.uint8: "uint8_t", torch.bool: "bool",
+}
+STORAGE = {**CTYPE, torch.float16: "uint16_t", torch.bfloat16: "uint16_t"}
+
+PRELUDE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <omp.h>
+
+static inline float tf_bf16_to_float(uint16_t v) { uint32_t b = (uint32_t)v << 16; float f; std::memcpy(&f, &b, 4); return f; }
+static inline uint16_t tf_float_to_bf16(float f) {
+  uint32_t b; std::memcpy(&b, &f, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);   // quiet NaN
+  b += 0x7fffu + ((b >> 16) & 1u);                                                // round to nearest even
+  return (uint16_t)(b >> 16);
+}
+static inline float tf_half_to_float(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, b;
+  if (exp == 0) {
+    if (man == 0) b = sign;
+    else { int e = -1; do { e++; man <<= 1; } while (!(man & 0x400u)); b = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13); }
+  } else if (exp == 31) b = sign | 0x7f800000u | (man << 13);
+  else b = sign | ((exp + 112) << 23) | (man << 13);
+  float f; std::memcpy(&f, &b, 4); return f;
+}
+static inline uint16_t tf_float_to_half(float f) {
+  uint32_t b; std::memcpy(&b, &f, 4);
+  uint32_t sign = (b >> 16) & 0x8000u; uint32_t a = b & 0x7fffffffu;
+  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                // overflow -> inf
+  if (a < 0x38800000u) {                                                     // subnormal or zero
+    float af; std::memcpy(&af, &a, 4);
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(af * 16777216.0f));
+  }
+  uint32_t r = a + 0xc8000fffu + ((a >> 13) & 1u);                           // rebias and round to even
+  return (uint16_t)(sign | (r >> 13));
+}
+static inline float tf_round_half(float f) { return tf_half_to_float(tf_float_to_half(f)); }
+static inline float tf_round_bf16(float f) { return tf_bf16_to_float(tf_float_to_bf16(f)); }
+
+template <typename T> static inline T tf_max(T a, T b) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; if (b != b) return b; } return a > b ? a : b; }
+template <typename T> static inline T tf_min(T a, T b) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; if (b != b) return b; } return a < b ? a : b; }
+template <typename T> static inline T tf_sign(T a) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; } return (T)((T(0) < a) - (a < T(0))); }
+template <typename T> static inline T tf_floordiv(T a, T b) {
+  if constexpr (std::is_floating_point<T>::value) {
+    if (b == 0) return a / b;
+    T m = std::fmod(a, b); T d = (a - m) / b;
+    if (m != 0 && ((b < 0) != (m < 0))) d -= 1;
+    if (d == 0) return std::copysign(T(0), a / b);
+    T f = std::floor(d); if (d - f > T(0.5)) f += 1; return f;
+  } else { if (b == 0) return 0; T q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
+}
+template <typename T> static inline T tf_remainder(T a, T b) {
+  if constexpr (std::is_floating_point<T>::value) { T m = std::fmod(a, b); if (m != 0 && ((b < 0) != (m < 0))) m += b; return m; }
+  else { if (b == 0) return 0; T m = a % b; if (m != 0 && ((b < 0) != (m < 0))) m += b; return m; }
+}
+template <typename T> static inline T tf_fmod(T a, T b) { if constexpr (std::is_floating_point<T>::value) return std::fmod(a, b); else return b == 0 ? 0 : a % b; }
+template <typename T> static inline T tf_truncdiv(T a, T b) { if constexpr (std::is_floating_point<T>::value) return std::trunc(a / b); else return b == 0 ? 0 : a / b; }
+template <typename T> static inline T tf_pow(T a, T b) {
+  if constexpr (std::is_floating_point<T>::value) return std::pow(a, b);
+  else { if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); T r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
+}
+template <typename T> static inline T tf_lshift(T a, T b) { return (b < 0 || b >= (T)(sizeof(T) * 8)) ? 0 : (T)((typename std::make_unsigned<T>::type)a << b); }
+template <typename T> static inline T tf_rshift(T a, T b) { return (b < 0 || b >= (T)(sizeof(T) * 8)) ? (a < 0 ? -1 : 0) : (T)(a >> b); }
+static inline float tf_sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+static inline double tf_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+
+extern "C" void tf_set_num_threads(int n) { if (n > 0) omp_set_num_threads(n); }
+"""
+
+_FN = {
+    "exp": "std::exp", "exp2": "std::exp2", "expm1": "std::expm1", "log": "std::log", "log2": "std::log2",
+    "log10": "std::log10", "log1p": "std::log1p", "sqrt": "std::sqrt", "sin": "std::sin", "cos": "std::cos",
+    "tan": "std::tan", "asin": "std::asin", "acos": "std::acos", "atan": "std::atan", "sinh": "std::sinh",
+    "cosh": "std::cosh", "tanh": "std::tanh", "asinh": "std::asinh", "acosh": "std::acosh", "atanh": "std::atanh",
+    "erf": "std::erf", "erfc": "std::erfc", "lgamma": "std::lgamma", "ceil": "std::ceil", "floor": "std::floor",
+    "round": "std::nearbyint", "trunc": "std::trunc", "isnan": "std::isnan", "isinf": "std::isinf",
+    "isfinite": "std::isfinite", "signbit": "std::signbit", "sigmoid": "tf_sigmoid", "sign": "tf_sign",
+    "atan2": "std::atan2", "copysign": "std::copysign", "hypot": "std::hypot", "nextafter": "std::nextafter",
+    "fmax": "std::fmax", "fmin": "std::fmin", "maximum": "tf_max", "minimum": "tf_min", "clamp_min": "tf_max",
+    "clamp_max": "tf_min", "pyfloordiv": "tf_floordiv", "remainder": "tf_remainder", "fmod": "tf_fmod",
+    "truncdiv": "tf_truncdiv", "pow": "tf_pow", "lshift": "tf_lshift", "rshift": "tf_rshift",
+}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+          "gt": ">", "ge": ">=", "and": "&&", "or": "||", "xor": "!=", "bitand": "&", "bitor": "|", "bitxor": "^"}
+
+
+def c_literal(value, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    if dtype.is_floating_point:
+        ct = CTYPE[dtype]
+        if math.isnan(value):
+            return f"std::numeric_limits<{ct}>::quiet_NaN()"
+        if math.isinf(value):
+            return f"{'-' if value < 0 else ''}std::numeric_limits<{ct}>::infinity()"
+        return f"static_cast<{ct}>({float(value)!r})"
+    if dtype == INDEX or dtype == torch.int64:
+        return f"INT64_C({int(value)})" if abs(int(value)) >= 2 ** 31 else f"(int64_t){int(value)}"
+    return f"static_cast<{CTYPE[dtype]}>({int(value)})"
+
+
+class Emitter:
+    """Turns Nodes into C++ statements with one temporary per distinct sub-expression (CSE)."""
+
+    def __init__(self, buffers: dict[str, torch.dtype]):
+        self.buffers = buffers
+        self.lines: list[str] = []
+        self.indent = 1
+        self.scopes: list[dict[Node, str]] = [{}]
+        self.locals: list[dict[tuple[str, Node], str]] = [{}]
+        self.count = 0
+
+    def line(self, text: str) -> None:
+        self.lines.append("  " * self.indent + text)
+
+    def push(self) -> None:
+        self.scopes.append({})
+        self.locals.append({})
+        self.indent += 1
+
+    def pop(self) -> None:
+        self.scopes.pop()
+        self.locals.pop()
+        self.indent -= 1
+
+    def bind_local(self, buffer: str, index: Node, name: str) -> None:
+        self.locals[-1][(buffer, index)] = name
+
+    def tmp(self, ctype: str, expr: str) -> str:
+        name = f"t{self.count}"
+        self.count += 1
+        self.line(f"const {ctype} {name} = {expr};")
+        return name
+
+    def lookup(self, n: Node) -> str | None:
+        for scope in reversed(self.scopes):
+            if n in scope:
+                return scope[n]
+        return None
+
+    def index(self, n: Node) -> str:
+        """Index arithmetic is printed inline (the C++ compiler does strength reduction)."""
+        if n.op == "const":
+            return c_literal(n.arg, INDEX)
+        if n.op in ("var", "sym"):
+            return n.arg
+        if n.op == "add":
+            return "(" + " + ".join(self.index(a) for a in n.args) + ")"
+        if n.op == "mul":
+            return "(" + " * ".join(self.index(a) for a in n.args) + ")"
+        if n.op == "floordiv":
+            return f"({self.index(n.args[0])} / {self.index(n.args[1])})"
+        if n.op == "mod":
+            return f"({self.index(n.args[0])} % {self.index(n.args[1])})"
+        return self.value(n)
+
+    def value(self, n: Node) -> str:
+        if n.op == "const":
+            return c_literal(n.arg, n.dtype)
+        if n.op in ("var", "sym"):
+            return n.arg
+        got = self.lookup(n)
+        if got is not None:
+            return got
+        expr = self._expr(n)
+        if n.op == "load" and len(n.args) == 1:
+            local = next((scope.get((n.arg, n.args[0])) for scope in reversed(self.locals)
+                          if (n.arg, n.args[0]) in scope), None)
+            if local is not None:
+                expr = local
+        name = self.tmp(CTYPE[n.dtype], expr)
+        self.scopes[-1][n] = name
+        return name
+
+    def _expr(self, n: Node) -> str:
+        o, a, dt = n.op, n.args, n.dtype
+        if o == "load":
+            raw = f"{n.arg}[{self.index(a[0])}]"
+            sdt = self.buffers[n.arg]
+            if sdt == torch.float16:
+                raw = f"tf_half_to_float({raw})"
+            elif sdt == torch.bfloat16:
+                raw = f"tf_bf16_to_float({raw})"
+            if len(a) == 2:
+                return f"({self.value(a[1])} ? {raw} : {c_literal(0, dt)})"
+            return raw
+        if o == "cast":
+            x = self.value(a[0]) if a[0].dtype != INDEX or a[0].op not in ("add", "mul", "floordiv", "mod") \
+                else self.index(a[0])
+            src = a[0].dtype
+            if dt == torch.bool:
+                return f"({x} != 0)"
+            if dt == torch.float16:
+                return f"tf_round_half(static_cast<float>({x}))"
+            if dt == torch.bfloat16:
+                return f"tf_round_bf16(static_cast<float>({x}))"
+            if src in (torch.float16, torch.bfloat16, torch.float32, torch.float64) and not dt.is_floating_point:
+                return f"static_cast<{CTYPE[dt]}>(static_cast<int64_t>({x}))" if dt != torch.int64 else \
+                    f"static_cast<int64_t>({x})"
+            return f"static_cast<{CTYPE[dt]}>({x})"
+        if o in ("add", "mul", "floordiv", "mod") and dt == INDEX and all(x.dtype == INDEX for x in a) \
+                and o in ("floordiv", "mod"):
+            return self.index(n)
+        if o == "where":
+            return f"({self.value(a[0])} ? {self.value(a[1])} : {self.value(a[2])})"
+        if o in _INFIX and len(a) == 2:
+            if o in ("bitand", "bitor", "bitxor") and dt == torch.bool:
+                return f"static_cast<bool>({self.value(a[0])} {_INFIX[o]} {self.value(a[1])})"
+            return f"({self.value(a[0])} {_INFIX[o]} {self.value(a[1])})"
+        if o in ("add", "mul") and len(a) > 2:
+            return "(" + f" {_INFIX[o]} ".join(self.value(x) for x in a) + ")"
+        if o == "neg":
+            return f"(-{self.value(a[0])})"
+        if o == "not":
+            return f"(!{self.value(a[0])})"
+        if o == "bitnot":
+            return f"static_cast<{CTYPE[dt]}>(~{self.value(a[0])})"
+        if o == "abs":
+            x = self.value(a[0])
+            return f"std::abs({x})" if dt.is_floating_point else f"({x} < 0 ? static_cast<{CTYPE[dt]}>(-{x}) : {x})"
+        if o == "relu":
+            x = self.value(a[0])
+            return f"({x} < 0 ? {c_literal(0, dt)} : {x})"
+        if o == "rsqrt":
+            return f"({c_literal(1, dt)} / std::sqrt({self.value(a[0])}))"
+        if o == "reciprocal":
+            return f"({c_literal(1, dt)} / {self.value(a[0])})"
+        if o == "frac":
+            x = self.value(a[0])
+            return f"({x} - std::trunc({x}))"
+        if o in _FN:
+            ct = CTYPE[a[0].dtype] if a else CTYPE[dt]
+            args = ", ".join(f"static_cast<{ct}>({self.value(x)})" if o in ("maximum", "minimum", "clamp_min",
+                             "clamp_max", "pyfloordiv", "remainder", "fmod", "truncdiv", "pow", "lshift", "rshift")
+                             else self.value(x) for x in a)
+            return f"{_FN[o]}({args})"
+        raise NotImplementedError(f"C++ codegen: no rule for op {o!r} ({to_text(n)})")
+
+
+_RED_INIT = {"sum": 0, "prod": 1, "any": False, "all": True}
+
+
+def _red_init(op: str, dtype: torch.dtype) -> str:
+    if op in _RED_INIT:
+        return c_literal(_RED_INIT[op], dtype)
+    ct = CTYPE[dtype]
+    if op in ("max", "argmax"):
+        return f"-std::numeric_limits<{ct}>::infinity()" if dtype.is_floating_point else \
+            f"std::numeric_limits<{ct}>::lowest()"
+    return f"std::numeric_limits<{ct}>::infinity()" if dtype.is_floating_point else f"std::numeric_limits<{ct}>::max()"
+
+
+def _store_expr(buf_dtype: torch.dtype, value: str) -> str:
+    if buf_dtype == torch.float16:
+        return f"tf_float_to_half(static_cast<float>({value}))"
+    if buf_dtype == torch.bfloat16:
+        return f"tf_float_to_bf16(static_cast<float>({value}))"
+    return f"static_cast<{STORAGE[buf_dtype]}>({value})"
+
+
+def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], parallel_threshold: int
+                  ) -> tuple[str, list[str], list[str]]:
+    """C++ for one kernel; returns (source, buffer argument names, symbol argument names)."""
+    kernel = plan.kernel
+    written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
+    read: list[str] = []
+    syms: set[str] = set()
+    for m in plan.members:
+        for n in _all_nodes(m):
+            if n.op == "load" and n.arg not in read and n.arg not in written:
+                read.append(n.arg)
+            if n.op == "sym":
+                syms.add(n.arg)
+    for s in plan.outer + plan.inner:
+        syms |= free_syms(s)
+    syms_list = sorted(syms)
+    params = [f"const {STORAGE[buffer_dtypes[b]]}* __restrict__ {b}" for b in read]
+    params += [f"{STORAGE[buffer_dtypes[b]]}* __restrict__ {b}" for b in written]
+    params += [f"const int64_t {s}" for s in syms_list]
+    em = Emitter(buffer_dtypes)
+    em.lines.append(f'extern "C" void {kernel.name}({", ".join(params)}) {{')
+    total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
+    para = f"if(({total}) >= {parallel_threshold})"
+    outer_vars = [f"x{j}" for j in range(len(plan.outer))]
+
+    if kernel.kind == "pointwise":
+        _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_inner_stage(em, plan, plan.members))
+    elif not plan.outer:
+        _emit_outer_body(em, plan, para_inner=para)
+    else:
+        _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_outer_body(em, plan, None), simd_last=False)
+    em.lines.append("}")
+    return "\n".join(em.lines), read + written, syms_list
+
+
+def _all_nodes(m) -> Iterable[Node]:
+    from ..ir.nodes import walk
+    yield from walk(m.body)
+    yield from walk(m.store)
+
+
+def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: str | None, body, *,
+                simd_last: bool = True, reduction_clause: str = "") -> None:
+    """Nested loops; the outermost gets `omp parallel for` (collapsed), the innermost `omp simd`."""
+    if not sizes:
+        em.push()
+        em.line("{")
+        body()
+        em.line("}")
+        em.pop()
+        return
+    depth = len(sizes)
+    for j, (name, size) in enumerate(zip(names, sizes)):
+        if j == 0 and para is not None:
+            collapse = depth - 1 if (simd_last and depth > 1) else depth
+            clause = f" collapse({collapse})" if collapse > 1 else ""
+            simd = " simd" if (simd_last and depth == 1) else ""
+            em.line(f"#pragma omp parallel for{simd}{clause}{reduction_clause} {para}")
+        elif j == depth - 1 and simd_last:
+            em.line(f"#pragma omp simd{reduction_clause}")
+        em.line(f"for (int64_t {name} = 0; {name} < {em.index(size)}; ++{name}) {{")
+        em.push()
+    body()
+    for _ in sizes:
+        em.pop()
+        em.line("}")
+
+
+def _emit_store(em: Emitter, plan: LoopPlan, m, value: str) -> None:
+    if m.buffer.name in plan.stored:
+        em.line(f"{m.buffer.name}[{em.index(m.store)}] = {_store_expr(m.buffer.dtype, value)};")
+
+
+def _emit_inner_stage(em: Emitter, plan: LoopPlan, members) -> None:
+    for m in members:
+        v = em.value(m.body)
+        em.bind_local(m.buffer.name, m.store, v)
+        _emit_store(em, plan, m, v)
+
+
+def _emit_outer_body(em: Emitter, plan: LoopPlan, para_inner: str | None) -> None:
+    inner_vars = [f"y{j}" for j in range(len(plan.inner))]
+    for stage in plan.stages:
+        if stage.kind == "outer":
+            _emit_inner_stage(em, plan, stage.members)
+        elif stage.kind == "inner":
+            _emit_loops(em, inner_vars, plan.inner, None, lambda s=stage: _emit_inner_stage(em, plan, s.members))
+        else:
+            _emit_reduce_stage(em, plan, stage, inner_vars, para_inner)
+
+
+def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: list[str], para: str | None) -> None:
+    accs = []
+    clauses = []
+    uses_arg = False
+    for m in stage.members:
+        op, dt = m.buffer.reduction_op, m.body.dtype
+        acc = f"acc_{m.buffer.name}"
+        em.line(f"{CTYPE[dt]} {acc} = {_red_init(op, dt)};")
+        if op in ("argmax", "argmin"):
+            em.line(f"int64_t {acc}_i = 0;")
+            uses_arg = True
+        if op in ("max", "min") and dt.is_floating_point:
+            em.line(f"bool {acc}_nan = false;")
+            clauses.append(f"reduction(|:{acc}_nan)")
+        clauses.append({"sum": f"reduction(+:{acc})", "prod": f"reduction(*:{acc})", "max": f"reduction(max:{acc})",
+                        "min": f"reduction(min:{acc})", "any": f"reduction(||:{acc})", "all": f"reduction(&&:{acc})"
+                        }.get(op, ""))
+        accs.append((m, acc))
+    clause = "" if uses_arg else " " + " ".join(c for c in clauses if c)
+
+    def body() -> None:
+        for m, acc in accs:
+            op = m.buffer.reduction_op
+            v = em.value(m.body)
+            if op == "sum":
+                em.line(f"{acc} += {v};")
+            elif op == "prod":
+                em.line(f"{acc} *= {v};")
+            elif op in ("max", "min"):
+                cmp = ">" if op == "max" else "<"
+                em.line(f"{acc} = {v} {cmp} {acc} ? {v} : {acc};")
+                if m.body.dtype.is_floating_point:
+                    em.line(f"{acc}_nan |= ({v} != {v});")
+            elif op == "any":
+                em.line(f"{acc} = {acc} || {v};")
+            elif op == "all":
+                em.line(f"{acc} = {acc} && {v};")
+            else:
+                flat = "0"
+                for j, size in enumerate(plan.inner):
+                    flat = f"({flat} * {em.index(size)} + y{j})"
+                cmp = ">" if op == "argmax" else "<"
+                nan = f" || ({v} != {v})" if m.body.dtype.is_floating_point else ""
+                guard = f"!({acc} != {acc}) && " if m.body.dtype.is_floating_point else ""
+                em.line(f"if ({guard}({v} {cmp} {acc}{nan})) {{ {acc} = {v}; {acc}_i = {flat}; }}")
+
+    if not plan.inner:
+        em.push()
+        em.line("{")
+        body()
+        em.line("}")
+        em.pop()
+    else:
+        _emit_loops(em, inner_vars, plan.inner, para if not uses_arg else None, body, simd_last=not uses_arg,
+                    reduction_clause=clause)
+    for m, acc in accs:
+        op = m.buffer.reduction_op
+        if op in ("max", "min") and m.body.dtype.is_floating_point:
+            em.line(f"if ({acc}_nan) {acc} = std::numeric_limits<{CTYPE[m.body.dtype]}>::quiet_NaN();")
+        result = f"{acc}_i" if op in ("argmax", "argmin") else acc
+        out_ct = CTYPE[m.buffer.dtype]
+        if m.buffer.dtype == torch.bool:
+            cast_expr = f"({result} != 0)"
+        elif m.buffer.dtype in (torch.float16, torch.bfloat16):    # round now, as the stored value will be
+            cast_expr = f"tf_round_{'half' if m.buffer.dtype == torch.float16 else 'bf16'}(static_cast<float>({result}))"
+        else:
+            cast_expr = f"static_cast<{out_ct}>({result})"
+        value = em.tmp(out_ct, cast_expr)
+        em.bind_local(m.buffer.name, m.store, value)
+        _emit_store(em, plan, m, value)
+
+
+def translation_unit(kernel_sources: list[str]) -> str:
+    return PRELUDE + "\n\n" + "\n\n".join(kernel_sources) + "\n"

@@ -1,0 +1,91 @@
+"""One typed configuration object for the whole compiler.
+
+Every knob lives here.  A `Config` is immutable; `Config.from_options` builds one from the
+`options=` dict users pass to `torch.compile` / `torchfuse.compile` and from the few
+environment variables we honour (TORCHFUSE_DEBUG, TORCHFUSE_CACHE_DIR, TORCHFUSE_STRICT).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def _default_cache_dir() -> Path:
+    env = os.environ.get("TORCHFUSE_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torchfuse"
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- behaviour on failure -------------------------------------------------------------
+    strict: bool = False
+    """Raise instead of warning and falling back to eager when a kernel fails to build."""
+
+    # --- debugging --------------------------------------------------------------------------
+    debug: bool = False
+    """Write every stage of every compiled graph to `debug_dir`."""
+    debug_dir: Path = Path("torchfuse_debug")
+
+    # --- kernel cache / C++ toolchain -------------------------------------------------------
+    cache_dir: Path = field(default_factory=_default_cache_dir)
+    cxx: str = "g++"
+    cxx_flags: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-std=c++17",
+                                  "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
+    memory_cache_size: int = 256
+    """How many loaded kernel libraries stay in the in-process LRU cache."""
+
+    # --- graph passes ------------------------------------------------------------------------
+    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "dce")
+    """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
+
+    # --- fusion ---------------------------------------------------------------------------------
+    fuse: bool = True
+    """When False every lowered op becomes its own kernel (useful to bisect fusion bugs)."""
+    inline_max_cost: int = 12
+    """A pointwise value with several consumers is recomputed in each of them (instead of being
+    written to memory) only if its expression costs at most this much (see ir.nodes.cost)."""
+    max_fusion_size: int = 64
+    """Upper bound on buffers in one kernel, to keep compile time and register pressure sane."""
+
+    # --- backends ---------------------------------------------------------------------------
+    cpu_backend: str = "cpp"
+    """'cpp' (C++/OpenMP), 'triton' (Triton, under TRITON_INTERPRET=1 on CPU) or 'interpreter'."""
+    num_threads: int = 0
+    """OpenMP threads for CPU kernels; 0 means torch.get_num_threads()."""
+    parallel_threshold: int = 32768
+    """Loops with fewer elements than this run on one thread (OpenMP start-up costs microseconds)."""
+
+    # --- ops ------------------------------------------------------------------------------------
+    fallback_ops: tuple[str, ...] = ()
+    """Extra aten op names (e.g. 'aten.gelu.default') to always run through ATen."""
+
+    @staticmethod
+    def from_options(options: Mapping[str, Any] | None = None, mode: str | None = None) -> "Config":
+        env: dict[str, Any] = {}
+        if os.environ.get("TORCHFUSE_DEBUG", "") not in ("", "0"):
+            env["debug"] = True
+            if os.environ["TORCHFUSE_DEBUG"] not in ("1", "true", "True"):
+                env["debug_dir"] = Path(os.environ["TORCHFUSE_DEBUG"])
+        if os.environ.get("TORCHFUSE_STRICT", "") not in ("", "0"):
+            env["strict"] = True
+        merged = {**env, **dict(options or {})}
+        known = {f.name: f for f in dataclasses.fields(Config)}
+        unknown = sorted(set(merged) - set(known))
+        if unknown:
+            raise ValueError(f"torchfuse: unknown option(s) {unknown}; valid options are {sorted(known)}")
+        for key in ("cache_dir", "debug_dir"):
+            if key in merged:
+                merged[key] = Path(merged[key])
+        for key in ("cxx_flags", "passes", "fallback_ops"):
+            if key in merged:
+                merged[key] = tuple(merged[key])
+        return Config(**merged)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,1 @@
+"""Front doors into the core pipeline: Dynamo/AOTAutograd (`dynamo.py`)."""

@@ -1,0 +1,54 @@
+"""The `torch.compile` backend: Dynamo hands us a torch-level graph, AOTAutograd turns it into
+forward/backward (or inference) aten graphs with our decompositions, and each aten graph goes
+through the core pipeline (`runtime.compiled_graph.compile_graph`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+
+from ..api import Explanation
+from ..config import Config
+from .decompositions import decomposition_table
+
+
+class TorchfuseBackend:
+    """A Dynamo backend bound to one `Config` (and, for `explain`, one report to fill)."""
+
+    def __init__(self, config: Config | None = None, report: Explanation | None = None):
+        self.config = config or Config.from_options()
+        self.report = report
+
+    def _compiler(self, kind: str) -> Callable:
+        from ..runtime.compiled_graph import compile_graph
+
+        def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
+            return compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report)
+        return compile_fn
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        config = self.config
+        if kwargs:
+            config = Config.from_options({**_config_dict(config), **(kwargs.get("options") or {})},
+                                         mode=kwargs.get("mode"))
+        backend = TorchfuseBackend(config, self.report) if config is not self.config else self
+        from torch._dynamo.backends.common import aot_autograd
+        aot = aot_autograd(fw_compiler=backend._compiler("forward"), bw_compiler=backend._compiler("backward"),
+                           inference_compiler=backend._compiler("inference"),
+                           decompositions=decomposition_table())
+        return aot(gm, example_inputs)
+
+
+def _config_dict(config: Config) -> dict:
+    import dataclasses
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != f.default and f.default is not dataclasses.MISSING}
+
+
+def torchfuse_backend(gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None,
+                      options: Mapping[str, Any] | None = None) -> Callable:
+    """Entry point registered under `torch_dynamo_backends` as "torchfuse"."""
+    return TorchfuseBackend(Config.from_options(options, mode=mode))(gm, example_inputs)

@@ -1,0 +1,170 @@
+"""Loop-IR containers: tensor values, buffers and the lowered program of one graph.
+
+A `TensorValue` is something a kernel can read at an n-d index: either a strided view of a
+buffer in memory (`StridedValue`) or an unrealized computation (`ComputedValue`, a closure that
+builds the expression for any index).  Lowering composes ComputedValues, which is what fuses
+pointwise chains; `realize` turns a value into a `ComputedBuffer`, a loop nest that stores it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .nodes import INDEX, Node, const, load, to_text, var
+
+
+class Unsupported(Exception):
+    """Raised by a lowering that cannot handle its inputs; the op then runs through ATen."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    sizes: tuple[Node, ...]
+    strides: tuple[Node, ...]
+    offset: Node = const(0)
+
+    def index(self, idx: Sequence[Node]) -> Node:
+        out = self.offset
+        for i, st, sz in zip(idx, self.strides, self.sizes):
+            if not (sz.op == "const" and sz.arg == 1):
+                out = out + i * st
+        return out
+
+    def __str__(self) -> str:
+        return f"size=({', '.join(map(to_text, self.sizes))}) stride=({', '.join(map(to_text, self.strides))})" + \
+            ("" if self.offset == const(0) else f" offset={to_text(self.offset)}")
+
+
+def contiguous_strides(sizes: Sequence[Node]) -> tuple[Node, ...]:
+    strides: list[Node] = []
+    acc: Node = const(1)
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc = acc * s
+    return tuple(reversed(strides))
+
+
+class TensorValue:
+    shape: tuple[Node, ...]
+    dtype: torch.dtype
+
+    def load(self, idx: Sequence[Node]) -> Node:
+        raise NotImplementedError
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+class StridedValue(TensorValue):
+    """`buffer` viewed with `layout` (sizes, strides, offset in elements from the buffer's start)."""
+
+    def __init__(self, buffer: str, layout: Layout, dtype: torch.dtype):
+        self.buffer, self.layout, self.dtype = buffer, layout, dtype
+        self.shape = layout.sizes
+
+    def load(self, idx: Sequence[Node]) -> Node:
+        return load(self.buffer, self.layout.index(idx), self.dtype)
+
+    def __repr__(self) -> str:
+        return f"{self.buffer}<{self.layout}>"
+
+
+class ComputedValue(TensorValue):
+    """An unrealized tensor: `fn(idx)` returns the scalar expression of the element at `idx`."""
+
+    def __init__(self, shape: Sequence[Node], dtype: torch.dtype, fn: Callable[[Sequence[Node]], Node]):
+        self.shape, self.dtype, self.fn = tuple(shape), dtype, fn
+        self.meta: torch.Tensor | None = None    # the fx node's fake tensor, when it stands for one
+        self.origins: list[str] = []             # the fx nodes fused into this value
+
+    def load(self, idx: Sequence[Node]) -> Node:
+        return self.fn(idx)
+
+
+@dataclass
+class ComputedBuffer:
+    """A loop nest that computes one buffer.
+
+    Pointwise: for i0..in over `ranges`: out[layout(i)] = body.
+    Reduction: for i over `ranges`: out[layout(i)] = reduce_{r over reduction_ranges}(body).
+    `body` uses vars named i0, i1, ... and (for reductions) r0, r1, ....
+    """
+    name: str
+    dtype: torch.dtype
+    layout: Layout
+    ranges: tuple[Node, ...]
+    body: Node
+    reduction_op: str | None = None
+    reduction_ranges: tuple[Node, ...] = ()
+    origins: list[str] = field(default_factory=list)
+    is_output: bool = False
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.reduction_op is not None
+
+    def store_index(self) -> Node:
+        return self.layout.index([var(f"i{k}") for k in range(len(self.ranges))])
+
+    def var_ranges(self) -> dict[str, Node]:
+        out = {f"i{k}": s for k, s in enumerate(self.ranges)}
+        out.update({f"r{k}": s for k, s in enumerate(self.reduction_ranges)})
+        return out
+
+    def __str__(self) -> str:
+        loops = ", ".join(f"i{k} < {to_text(s)}" for k, s in enumerate(self.ranges))
+        head = f"{self.name}: {str(self.dtype).replace('torch.', '')}[{loops}] {self.layout}"
+        if self.is_reduction:
+            red = ", ".join(f"r{k} < {to_text(s)}" for k, s in enumerate(self.reduction_ranges))
+            return f"{head}\n    = {self.reduction_op}_[{red}]( {to_text(self.body)} )   # from {', '.join(self.origins)}"
+        return f"{head}\n    = {to_text(self.body)}   # from {', '.join(self.origins)}"
+
+
+@dataclass
+class FallbackCall:
+    """An aten op run through ATen at run time.  `args`/`kwargs` hold `BufferRef`s for tensors."""
+    node_name: str
+    target: Any
+    args: tuple
+    kwargs: dict
+    outputs: list[str | None]     # buffer name per output (None for non-tensor outputs)
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{', '.join(o or '_' for o in self.outputs)} = {self.target}(...)  # ATen: {self.reason}"
+
+
+@dataclass(frozen=True)
+class BufferRef:
+    """A reference to a runtime tensor in a fallback's arguments, possibly a strided view of it."""
+    buffer: str
+    layout: Layout | None = None   # None: the buffer itself
+
+
+@dataclass
+class AliasView:
+    """A graph value that is a view of a realized buffer, made at run time with as_strided."""
+    name: str
+    base: str
+    layout: Layout
+
+
+@dataclass
+class LoweredGraph:
+    """The output of lowering: the program a backend turns into kernels plus a wrapper."""
+    inputs: list[tuple[str, Any]]                      # (placeholder name, meta val)
+    symbols: dict[str, tuple[int, str, int]]           # sym -> (input position, "size"|"stride"|"value", dim)
+    steps: list[ComputedBuffer | FallbackCall | AliasView]
+    outputs: list[Any]                                 # buffer name, ("sym", Node), ("const", v) or None
+    buffer_meta: dict[str, tuple[tuple[Node, ...], tuple[Node, ...], torch.dtype, torch.device]]
+    mutations: list[tuple[str, str]] = field(default_factory=list)   # (input buffer, new value buffer)
+
+    def __str__(self) -> str:
+        lines = ["inputs: " + ", ".join(name for name, _ in self.inputs)]
+        for step in self.steps:
+            lines.append(str(step))
+        lines.append("outputs: " + ", ".join(map(str, self.outputs)))
+        return "\n".join(lines)

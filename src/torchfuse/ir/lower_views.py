@@ -1,0 +1,403 @@
+"""Lowerings of views (index remapping, no data movement) and indexing ops (indirect loads).
+
+A view of a value whose layout is the fx node's own layout (graph inputs, ATen outputs, buffers
+we realized with eager's strides) is a new `StridedValue` whose layout is read off the view's fake
+tensor: zero-copy, and usable by ATen fallbacks.  A view of an unrealized value becomes a closure
+that remaps the index, so it fuses into its consumers.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
+from .lower_pointwise import bcast_load, upcast
+from .lowering import GraphLowering, layout_of, meta_val, register, shape_of, sym_to_node
+from .nodes import INDEX, Node, cast, const, floordiv, load, mod, op, where
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _meta_view(lw: GraphLowering, x: Any) -> StridedValue | None:
+    """Zero-copy view when `x` is stored exactly as its fx node's fake tensor says."""
+    if not isinstance(x, StridedValue):
+        return None
+    src = lw.current.args[0]
+    meta_in, meta_out = meta_val(src), lw.out_meta()
+    if not isinstance(meta_in, torch.Tensor) or not isinstance(meta_out, torch.Tensor):
+        return None
+    lin = layout_of(meta_in)
+    if lin.sizes != x.layout.sizes or lin.strides != x.layout.strides:
+        return None
+    try:
+        delta = sym_to_node(meta_out.storage_offset()) - sym_to_node(meta_in.storage_offset())
+    except Unsupported:
+        return None
+    out = layout_of(meta_out)
+    return StridedValue(x.buffer, Layout(out.sizes, out.strides, x.layout.offset + delta), x.dtype)
+
+
+def remap(lw: GraphLowering, x: TensorValue, fn) -> TensorValue:
+    """A view: the zero-copy strided form when possible, else a closure `out index -> x index`."""
+    strided = _meta_view(lw, x)
+    if strided is not None:
+        return strided
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(fn(list(idx))))
+
+
+def _norm(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view.dtype)
+def _view(lw, x, size):
+    if isinstance(size, torch.dtype):
+        if size != x.dtype:
+            raise Unsupported("view as another dtype (bit cast)")
+        return x
+    out_shape = lw.out_shape()
+    in_shape = x.shape
+    if out_shape == in_shape:
+        return x
+    in_strides = contiguous_strides(in_shape)
+    out_strides = contiguous_strides(out_shape)
+
+    def fn(idx):
+        flat = const(0)
+        for i, st in zip(idx, out_strides):
+            flat = flat + i * st
+        sub = []
+        for k, st in enumerate(in_strides):
+            q = floordiv(flat, st)
+            sub.append(q if k == 0 else mod(q, in_shape[k]))
+        return sub
+    return remap(lw, x, fn)
+
+
+@register(aten.permute.default)
+def _permute(lw, x, dims):
+    dims = [_norm(d, x.ndim) for d in dims]
+
+    def fn(idx):
+        sub = [None] * len(dims)
+        for out_pos, d in enumerate(dims):
+            sub[d] = idx[out_pos]
+        return sub
+    return remap(lw, x, fn)
+
+
+@register(aten.transpose.int)
+def _transpose(lw, x, d0, d1):
+    d0, d1 = _norm(d0, x.ndim), _norm(d1, x.ndim)
+
+    def fn(idx):
+        idx[d0], idx[d1] = idx[d1], idx[d0]
+        return idx
+    return remap(lw, x, fn)
+
+
+@register(aten.t.default)
+def _t(lw, x):
+    return remap(lw, x, lambda idx: idx[::-1])
+
+
+@register(aten.expand.default)
+def _expand(lw, x, size, *, implicit=False):
+    out_nd = len(lw.out_shape())
+    off = out_nd - x.ndim
+    return remap(lw, x, lambda idx: [const(0) if (s.op == "const" and s.arg == 1) else idx[off + k]
+                                     for k, s in enumerate(x.shape)])
+
+
+@register(aten.unsqueeze.default)
+def _unsqueeze(lw, x, dim):
+    dim = _norm(dim, x.ndim + 1)
+    return remap(lw, x, lambda idx: idx[:dim] + idx[dim + 1:])
+
+
+@register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(lw, x, dims=None):
+    if dims is None:
+        dims = [k for k, s in enumerate(x.shape) if s.op == "const" and s.arg == 1]
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = {_norm(d, x.ndim) for d in dims if x.shape[_norm(d, x.ndim)] == const(1)}
+
+    def fn(idx):
+        it = iter(idx)
+        return [const(0) if k in dims else next(it) for k in range(x.ndim)]
+    return remap(lw, x, fn)
+
+
+@register(aten.slice.Tensor)
+def _slice(lw, x, dim=0, start=None, end=None, step=1):
+    dim = _norm(dim, x.ndim)
+    meta_in = meta_val(lw.current.args[0])
+    size = meta_in.shape[dim]
+    start = 0 if start is None else start
+    if isinstance(start, int):
+        start = max(0, min(start + size, size) if start < 0 else start) if isinstance(size, int) else start
+        if isinstance(size, int) and start > size:
+            start = size
+    elif not isinstance(start, Node):
+        raise Unsupported("symbolic negative slice start")
+    start_n = start if isinstance(start, Node) else const(start)
+    if isinstance(start, Node) and start.op != "const":
+        # symbolic start may be negative at run time; only the meta path knows
+        strided = _meta_view(lw, x)
+        if strided is None:
+            raise Unsupported("slice with a symbolic start of an unrealized value")
+        return strided
+
+    def fn(idx):
+        idx[dim] = start_n + idx[dim] * step
+        return idx
+    return remap(lw, x, fn)
+
+
+@register(aten.select.int)
+def _select(lw, x, dim, index):
+    dim = _norm(dim, x.ndim)
+    if isinstance(index, int) and index < 0:
+        index = index + x.shape[dim] if isinstance(x.shape[dim], Node) else index
+    index_n = index if isinstance(index, Node) else const(index)
+    return remap(lw, x, lambda idx: idx[:dim] + [index_n] + idx[dim:])
+
+
+@register(aten.alias.default)
+def _alias(lw, x):
+    return x
+
+
+@register(aten.as_strided.default)
+def _as_strided(lw, x, size, stride, storage_offset=None):
+    strided = _meta_view(lw, x)
+    if strided is None:
+        if isinstance(x, ComputedValue) and x.meta is not None:
+            strided = _meta_view(lw, lw.realize(x))
+        if strided is None:
+            raise Unsupported("as_strided of a value not stored as its fake tensor says")
+    return strided
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def _split(lw, x, split=None, dim=0):
+    outs = lw.out_meta()
+    if lw.current.target == aten.unbind.int:
+        dim = split if split is not None else 0
+    dim = _norm(dim, x.ndim)
+    results, start = [], const(0)
+    for meta in outs:
+        if lw.current.target == aten.unbind.int:
+            s0 = start
+            results.append(ComputedValue(shape_of(meta), x.dtype,
+                                         lambda idx, s0=s0: x.load(list(idx[:dim]) + [s0] + list(idx[dim:]))))
+            start = start + 1
+            continue
+        s0 = start
+        results.append(ComputedValue(shape_of(meta), x.dtype,
+                                     lambda idx, s0=s0: x.load(list(idx[:dim]) + [s0 + idx[dim]] + list(idx[dim + 1:]))))
+        start = start + sym_to_node(meta.shape[dim])
+    return tuple(results)
+
+
+@register(aten.flip.default)
+def _flip(lw, x, dims):
+    dims = {_norm(d, x.ndim) for d in dims}
+    return ComputedValue(lw.out_shape(), x.dtype,
+                         lambda idx: x.load([x.shape[k] - 1 - i if k in dims else i for k, i in enumerate(idx)]))
+
+
+@register(aten.roll.default)
+def _roll(lw, x, shifts, dims=()):
+    if not dims:
+        raise Unsupported("roll without dims")
+    pairs = {_norm(d, x.ndim): s for d, s in zip(dims, shifts)}
+
+    def fn(idx):
+        return [mod(i + (x.shape[k] * abs(int(pairs[k])) - int(pairs[k])), x.shape[k]) if k in pairs else i
+                for k, i in enumerate(idx)]
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(fn(list(idx))))
+
+
+@register(aten.repeat.default)
+def _repeat(lw, x, repeats):
+    off = len(repeats) - x.ndim
+    return ComputedValue(lw.out_shape(), x.dtype,
+                         lambda idx: x.load([mod(idx[off + k], s) for k, s in enumerate(x.shape)]))
+
+
+# --------------------------------------------------------------------------------------------
+# piecewise loads: cat, pad, scatter of slices
+# --------------------------------------------------------------------------------------------
+
+def masked(x: TensorValue, idx: Sequence[Node], mask: Node) -> Node:
+    """Load `x[idx]` only where `mask` holds (0 elsewhere): the load is never issued out of bounds."""
+    value = x.load(list(idx))
+    if value.op == "load":
+        return Node_load_masked(value, mask)
+    # a computed value: every load inside it must be guarded by the same mask
+    from .nodes import map_nodes
+    return map_nodes(value, lambda n, args: Node_load_masked(type(n)(n.op, args, n.arg, n.dtype), mask)
+                     if n.op == "load" else type(n)(n.op, args, n.arg, n.dtype) if args != n.args else n)
+
+
+def Node_load_masked(ld: Node, mask: Node) -> Node:
+    if len(ld.args) == 2:
+        mask = op("and", ld.args[1], mask, dtype=torch.bool)
+    return type(ld)("load", (ld.args[0], mask), ld.arg, ld.dtype)
+
+
+@register(aten.cat.default)
+def _cat(lw, tensors, dim=0):
+    out_shape = lw.out_shape()
+    dim = _norm(dim, len(out_shape))
+    parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == const(0) and len(out_shape) != 1)]
+    dtype = lw.out_dtype()
+
+    def body(idx):
+        i = idx[dim]
+        offsets, acc = [], const(0)
+        for t in parts:
+            offsets.append(acc)
+            acc = acc + t.shape[dim]
+        value = None
+        for t, start in reversed(list(zip(parts, offsets))):
+            sub = list(idx)
+            sub[dim] = i - start
+            if value is None:
+                value = cast(masked(t, sub, op("ge", i, start, dtype=torch.bool)) if len(parts) > 1
+                             else t.load(sub), dtype)
+                continue
+            inside = op("lt", i, start + t.shape[dim], dtype=torch.bool)
+            if start != const(0):
+                inside = op("and", op("ge", i, start, dtype=torch.bool), inside, dtype=torch.bool)
+            value = where(inside, cast(masked(t, sub, inside), dtype), value)
+        return value
+    return ComputedValue(out_shape, dtype, body)
+
+
+@register(aten.constant_pad_nd.default)
+def _pad(lw, x, pad, value=0):
+    out_shape = lw.out_shape()
+    dtype = x.dtype
+    nd = x.ndim
+
+    def body(idx):
+        sub, conds = list(idx), []
+        for k in range(len(pad) // 2):
+            d = nd - 1 - k
+            before = pad[2 * k]
+            before = before if isinstance(before, Node) else const(before)
+            sub[d] = idx[d] - before
+            conds.append(op("ge", sub[d], const(0), dtype=torch.bool))
+            conds.append(op("lt", sub[d], x.shape[d], dtype=torch.bool))
+        mask = conds[0]
+        for c in conds[1:]:
+            mask = op("and", mask, c, dtype=torch.bool)
+        return where(mask, masked(x, sub, mask), const(value, dtype))
+    return ComputedValue(out_shape, dtype, body)
+
+
+@register(aten.select_scatter.default)
+def _select_scatter(lw, x, src, dim, index):
+    dim = _norm(dim, x.ndim)
+    index = index if isinstance(index, Node) else const(index % x.shape[dim].arg if index < 0 else index) \
+        if x.shape[dim].op == "const" else const(index)
+
+    def body(idx):
+        hit = op("eq", idx[dim], index, dtype=torch.bool)
+        return where(hit, masked(src, idx[:dim] + idx[dim + 1:], hit), cast(x.load(list(idx)), x.dtype))
+    return ComputedValue(lw.out_shape(), x.dtype, body)
+
+
+@register(aten.slice_scatter.default)
+def _slice_scatter(lw, x, src, dim=0, start=None, end=None, step=1):
+    dim = _norm(dim, x.ndim)
+    size = x.shape[dim]
+    start = 0 if start is None else start
+    if isinstance(start, int) and start < 0:
+        start = start + size if isinstance(size, Node) else start
+    start_n = start if isinstance(start, Node) else const(start)
+    length = src.shape[dim]
+
+    def body(idx):
+        rel = idx[dim] - start_n
+        hit = op("and", op("ge", rel, const(0), dtype=torch.bool),
+                 op("lt", rel, length * step, dtype=torch.bool), dtype=torch.bool)
+        sub = list(idx)
+        if step != 1:
+            hit = op("and", hit, op("eq", op("mod", rel, const(step), dtype=INDEX), const(0), dtype=torch.bool),
+                     dtype=torch.bool)
+            sub[dim] = op("floordiv", rel, const(step), dtype=INDEX)
+        else:
+            sub[dim] = rel
+        return where(hit, cast(masked(src, sub, hit), x.dtype), x.load(list(idx)))
+    return ComputedValue(lw.out_shape(), x.dtype, body)
+
+
+# --------------------------------------------------------------------------------------------
+# indirect loads: gather, index_select, advanced indexing, embedding
+# --------------------------------------------------------------------------------------------
+
+def _wrap_index(i: Node, size: Node) -> Node:
+    """Negative indices count from the end, as in eager."""
+    i = cast(i, INDEX)
+    return where(op("lt", i, const(0), dtype=torch.bool), op("add", i, size, dtype=INDEX), i)
+
+
+@register(aten.index_select.default)
+def _index_select(lw, x, dim, index):
+    dim = _norm(dim, x.ndim)
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(
+        list(idx[:dim]) + [_wrap_index(index.load([idx[dim]] if index.ndim else []), x.shape[dim])] + list(idx[dim + 1:])))
+
+
+@register(aten.gather.default)
+def _gather(lw, x, dim, index, *, sparse_grad=False):
+    dim = _norm(dim, max(x.ndim, 1))
+    if x.ndim == 0:
+        return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load([]))
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(
+        list(idx[:dim]) + [_wrap_index(index.load(list(idx)), x.shape[dim])] + list(idx[dim + 1:])))
+
+
+@register(aten.embedding.default)
+def _embedding(lw, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    k = indices.ndim
+    return ComputedValue(lw.out_shape(), weight.dtype, lambda idx: weight.load(
+        [_wrap_index(indices.load(list(idx[:k])), weight.shape[0])] + list(idx[k:])))
+
+
+@register(aten.index.Tensor)
+def _index(lw, x, indices):
+    indices = list(indices) + [None] * (x.ndim - len(indices))
+    tensor_dims = [d for d, t in enumerate(indices) if t is not None]
+    if not tensor_dims:
+        return x
+    if any(t.dtype in (torch.bool, torch.uint8) for t in indices if t is not None):
+        raise Unsupported("boolean mask indexing has a data-dependent shape")
+    out_shape = lw.out_shape()
+    bshape_len = max(t.ndim for t in indices if t is not None)
+    adjacent = tensor_dims == list(range(tensor_dims[0], tensor_dims[-1] + 1))
+    first = tensor_dims[0] if adjacent else 0
+    bshape = out_shape[first:first + bshape_len]
+
+    def body(idx):
+        bidx = list(idx[first:first + bshape_len])
+        rest = list(idx[:first]) + list(idx[first + bshape_len:])
+        it = iter(rest)
+        sub = []
+        for d in range(x.ndim):
+            t = indices[d]
+            if t is None:
+                sub.append(next(it))
+            else:
+                sub.append(_wrap_index(bcast_load(t, bshape, bidx, INDEX), x.shape[d]))
+        return x.load(sub)
+    return ComputedValue(out_shape, x.dtype, body)
+
+
+__all__ = ["remap", "masked", "upcast", "load"]

@@ -1,0 +1,398 @@
+"""Lowering: an aten FX graph becomes a `LoweredGraph` of loop nests and ATen fallbacks.
+
+Each aten op with an entry in `LOWERINGS` turns into a `TensorValue`.  Pointwise ops and views
+return unrealized `ComputedValue`s, so a chain of them composes into one expression (vertical
+fusion happens here, by construction).  A value is realized into a `ComputedBuffer` when it is a
+reduction, a graph output, an argument of an ATen fallback, or used several times and too
+expensive to recompute.  Ops without a lowering (matmul, convolution, random, ...) become
+`FallbackCall`s and run through ATen inside the same compiled graph.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
+                      LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
+from .nodes import INDEX, Node, const, cost, floordiv, mod, sym, var
+
+log = logging.getLogger("torchfuse.lowering")
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+Lowering = Callable[..., Any]
+LOWERINGS: dict[Any, Lowering] = {}
+
+
+def register(*targets: Any) -> Callable[[Lowering], Lowering]:
+    """Register a lowering for aten overloads; an overload packet registers all its overloads."""
+    def deco(fn: Lowering) -> Lowering:
+        for t in targets:
+            if isinstance(t, torch._ops.OpOverloadPacket):
+                for name in t.overloads():
+                    LOWERINGS[getattr(t, name)] = fn
+            else:
+                LOWERINGS[t] = fn
+        return fn
+    return deco
+
+
+# --------------------------------------------------------------------------------------------
+# symbolic sizes: sympy expressions from Dynamo become our own index nodes
+# --------------------------------------------------------------------------------------------
+
+def sym_to_node(x: Any) -> Node:
+    """An int or SymInt (or its sympy expression) as an index Node."""
+    if isinstance(x, Node):
+        return x
+    if isinstance(x, bool):
+        return const(int(x))
+    if isinstance(x, int):
+        return const(x)
+    if isinstance(x, torch.SymInt):
+        if x.node.is_nested_int():
+            raise Unsupported("nested int sizes")
+        hint = x.node.maybe_as_int()
+        if hint is not None:
+            return const(hint)
+        return _sympy_to_node(x.node.expr)
+    return _sympy_to_node(x)
+
+
+def _sympy_to_node(e: Any) -> Node:
+    import sympy
+    if isinstance(e, sympy.Integer):
+        return const(int(e))
+    if isinstance(e, sympy.Symbol):
+        return sym(e.name)
+    if isinstance(e, sympy.Add):
+        out = const(0)
+        for a in e.args:
+            out = out + _sympy_to_node(a)
+        return out
+    if isinstance(e, sympy.Mul):
+        out = const(1)
+        for a in e.args:
+            out = out * _sympy_to_node(a)
+        return out
+    if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and int(e.exp) >= 0:
+        out = const(1)
+        base = _sympy_to_node(e.base)
+        for _ in range(int(e.exp)):
+            out = out * base
+        return out
+    name = type(e).__name__
+    if name == "FloorDiv":
+        return floordiv(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
+    if name in ("Mod", "PythonMod"):
+        return mod(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
+    raise Unsupported(f"symbolic size expression {e} ({name})")
+
+
+def meta_val(node: fx.Node) -> Any:
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def shape_of(t: torch.Tensor) -> tuple[Node, ...]:
+    return tuple(sym_to_node(s) for s in t.shape)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: every element has its own slot and no slot is unused."""
+    try:
+        return bool(torch._prims_common.is_non_overlapping_and_dense(t))
+    except Exception:
+        return False
+
+
+def layout_of(t: torch.Tensor, *, with_offset: bool = False) -> Layout:
+    off = sym_to_node(t.storage_offset()) if with_offset else const(0)
+    return Layout(shape_of(t), tuple(sym_to_node(s) for s in t.stride()), off)
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+# --------------------------------------------------------------------------------------------
+
+class GraphLowering:
+    """Walks an aten graph once, turning nodes into values, buffers and fallbacks."""
+
+    def __init__(self, gm: fx.GraphModule, config: Config):
+        self.gm, self.config = gm, config
+        self.env: dict[fx.Node, Any] = {}
+        self.steps: list[ComputedBuffer | FallbackCall | AliasView] = []
+        self.buffer_meta: dict[str, tuple] = {}
+        self.symbols: dict[str, tuple[int, str, int]] = {}
+        self.inputs: list[tuple[str, Any]] = []
+        self.fallback_reasons: list[tuple[str, str, str]] = []
+        self._count = 0
+        self.current: fx.Node | None = None
+        self.output_nodes: set[fx.Node] = set()
+        self.device: torch.device | None = None
+        self.forced_fallbacks = set(config.fallback_ops)
+
+    # -- helpers used by the op lowerings ---------------------------------------------------
+    def new_name(self, prefix: str = "buf") -> str:
+        self._count += 1
+        return f"{prefix}{self._count - 1}"
+
+    def out_meta(self, node: fx.Node | None = None) -> Any:
+        return meta_val(node or self.current)
+
+    def out_shape(self, node: fx.Node | None = None) -> tuple[Node, ...]:
+        return shape_of(self.out_meta(node))
+
+    def out_dtype(self, node: fx.Node | None = None) -> torch.dtype:
+        return self.out_meta(node).dtype
+
+    def realize(self, value: TensorValue, *, layout: Layout | None = None, origins: Sequence[str] = (),
+                reduction: tuple[str, tuple[Node, ...], Callable] | None = None) -> StridedValue:
+        """Store `value` into a new buffer (contiguous unless `layout` says otherwise)."""
+        if reduction is not None:
+            red_op, red_ranges, body_fn = reduction
+            ranges = tuple(value.shape)
+            idx = [var(f"i{k}") for k in range(len(ranges))]
+            ridx = [var(f"r{k}") for k in range(len(red_ranges))]
+            body = body_fn(idx, ridx)
+        else:
+            red_op, red_ranges = None, ()
+            ranges = tuple(value.shape)
+            body = value.load([var(f"i{k}") for k in range(len(ranges))])
+        if layout is None:
+            meta = getattr(value, "meta", None)
+            if reduction is None and meta is not None and is_dense(meta) and shape_of(meta) == ranges:
+                layout = layout_of(meta)     # keep eager's memory format, so later views match meta
+            else:
+                layout = Layout(ranges, contiguous_strides(ranges))
+        name = self.new_name()
+        origins = list(origins) or list(getattr(value, "origins", ())) or \
+            ([self.current.name] if self.current is not None else [])
+        buf = ComputedBuffer(name, value.dtype, layout, ranges, body, red_op, tuple(red_ranges), origins)
+        self.steps.append(buf)
+        self.buffer_meta[name] = (layout.sizes, layout.strides, value.dtype, self.device)
+        return StridedValue(name, layout, value.dtype)
+
+    def reduce(self, op: str, out_ranges: Sequence[Node], red_ranges: Sequence[Node], dtype: torch.dtype,
+               body_fn: Callable[[list[Node], list[Node]], Node]) -> StridedValue:
+        """Realize a reduction over `red_ranges` for every point of `out_ranges`."""
+        proto = ComputedValue(tuple(out_ranges), dtype, lambda idx: const(0))
+        return self.realize(proto, reduction=(op, tuple(red_ranges), body_fn))
+
+    def as_buffer_ref(self, value: TensorValue) -> BufferRef:
+        if isinstance(value, ComputedValue):
+            value = self.realize(value)
+        assert isinstance(value, StridedValue)
+        base = self.buffer_meta.get(value.buffer)
+        if base is not None and tuple(base[0]) == value.layout.sizes and tuple(base[1]) == value.layout.strides \
+                and value.layout.offset == const(0):
+            return BufferRef(value.buffer)
+        return BufferRef(value.buffer, value.layout)
+
+    # -- the walk ---------------------------------------------------------------------------------
+    def run(self) -> LoweredGraph:
+        graph = self.gm.graph
+        out_node = next(n for n in graph.nodes if n.op == "output")
+        fx.node.map_arg(out_node.args, self.output_nodes.add)
+        placeholder_pos = 0
+        for node in graph.nodes:
+            self.current = node
+            if node.op == "placeholder":
+                self._lower_placeholder(node, placeholder_pos)
+                placeholder_pos += 1
+            elif node.op == "get_attr":
+                self._lower_get_attr(node)
+            elif node.op == "call_function":
+                self._lower_call(node)
+            elif node.op == "output":
+                outputs = [self._lower_output(a) for a in node.args[0]]
+            else:
+                raise Unsupported(f"fx node kind {node.op}")
+        self.current = None
+        return LoweredGraph(self.inputs, self.symbols, self.steps, outputs, self.buffer_meta)
+
+    def _bind_symbol(self, value: Any, pos: int, kind: str, dim: int) -> None:
+        if isinstance(value, torch.SymInt):
+            expr = value.node.expr
+            import sympy
+            if isinstance(expr, sympy.Symbol) and expr.name not in self.symbols:
+                self.symbols[expr.name] = (pos, kind, dim)
+
+    def _lower_placeholder(self, node: fx.Node, pos: int) -> None:
+        val = meta_val(node)
+        self.inputs.append((node.name, val))
+        if isinstance(val, torch.Tensor):
+            if self.device is None:
+                self.device = val.device
+            for d, s in enumerate(val.shape):
+                self._bind_symbol(s, pos, "size", d)
+            for d, s in enumerate(val.stride()):
+                self._bind_symbol(s, pos, "stride", d)
+            name = f"in{pos}"
+            layout = layout_of(val)
+            self.buffer_meta[name] = (layout.sizes, layout.strides, val.dtype, val.device)
+            self.env[node] = StridedValue(name, layout, val.dtype)
+        elif isinstance(val, torch.SymInt):
+            self._bind_symbol(val, pos, "value", 0)
+            self.env[node] = sym_to_node(val)
+        else:
+            self.env[node] = val
+
+    def _lower_get_attr(self, node: fx.Node) -> None:
+        value = getattr(self.gm, node.target)
+        if isinstance(value, torch.Tensor):
+            name = self.new_name("const")
+            self.inputs.append((f"self.{node.target}", value))
+            self.buffer_meta[name] = (shape_of(value), tuple(const(s) for s in value.stride()), value.dtype, value.device)
+            # get_attr tensors are bound by the wrapper under the name "constN"
+            self.env[node] = StridedValue(name, layout_of(value), value.dtype)
+            self.steps.append(FallbackCall(node.name, "get_attr", (node.target,), {}, [name], "constant"))
+        else:
+            self.env[node] = value
+
+    def _args(self, node: fx.Node) -> tuple[tuple, dict]:
+        def conv(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                return self.env[a]
+            if isinstance(a, (list, tuple)):
+                return type(a)(conv(x) for x in a)
+            if isinstance(a, torch.SymInt):
+                return sym_to_node(a)
+            return a
+        return conv(node.args), {k: conv(v) for k, v in node.kwargs.items()}
+
+    def _lower_call(self, node: fx.Node) -> None:
+        target = node.target
+        val = meta_val(node)
+        if target is operator.getitem:
+            base = self.env[node.args[0]]
+            self.env[node] = base[node.args[1]] if isinstance(base, (list, tuple)) else None
+            if self.env[node] is None:
+                raise Unsupported(f"getitem on {type(base)}")
+            return
+        if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) and not isinstance(val, torch.Tensor):
+            self.env[node] = sym_to_node(val)           # size arithmetic: sym_size, operator.mul, ...
+            return
+        lowering = LOWERINGS.get(target)
+        reason = "no lowering for this op"
+        if lowering is not None and str(target) not in self.forced_fallbacks:
+            args, kwargs = self._args(node)
+            try:
+                result = lowering(self, *args, **kwargs)
+                _tag_origins(result, node.name, args)
+                self.env[node] = self._maybe_realize(node, result)
+                return
+            except Unsupported as e:
+                reason = str(e)
+        elif lowering is not None:
+            reason = "forced by options['fallback_ops']"
+        self._fallback(node, reason)
+
+    def _maybe_realize(self, node: fx.Node, result: Any) -> Any:
+        if isinstance(result, (list, tuple)):
+            return type(result)(self._maybe_realize_one(node, r) for r in result)
+        return self._maybe_realize_one(node, result)
+
+    def _maybe_realize_one(self, node: fx.Node, value: Any) -> Any:
+        if not isinstance(value, ComputedValue):
+            return value
+        meta = meta_val(node)
+        if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
+            value.meta = meta
+        users = len(node.users)
+        if users > 1 or not self.config.fuse:
+            body = value.load([var(f"i{k}") for k in range(value.ndim)])
+            if cost(body) > self.config.inline_max_cost or not self.config.fuse:
+                return self.realize(value)
+        return value
+
+    def _fallback(self, node: fx.Node, reason: str) -> None:
+        args, kwargs = self._args(node)
+
+        def to_ref(a: Any) -> Any:
+            if isinstance(a, TensorValue):
+                return self.as_buffer_ref(a)
+            if isinstance(a, (list, tuple)):
+                return type(a)(to_ref(x) for x in a)
+            return a
+
+        args, kwargs = to_ref(args), {k: to_ref(v) for k, v in kwargs.items()}
+        val = meta_val(node)
+        vals = list(val) if isinstance(val, (list, tuple)) else [val]
+        outputs: list[str | None] = []
+        values: list[Any] = []
+        for v in vals:
+            if isinstance(v, torch.Tensor):
+                name = self.new_name()
+                layout = layout_of(v)
+                self.buffer_meta[name] = (layout.sizes, layout.strides, v.dtype, v.device)
+                outputs.append(name)
+                values.append(StridedValue(name, layout, v.dtype))
+            else:
+                outputs.append(None)
+                values.append(sym_to_node(v) if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) else v)
+        self.steps.append(FallbackCall(node.name, node.target, args, kwargs, outputs, reason))
+        self.fallback_reasons.append((node.name, str(node.target), reason))
+        self.env[node] = type(val)(values) if isinstance(val, (list, tuple)) else values[0]
+
+    def _lower_output(self, a: Any) -> Any:
+        if a is None:
+            return None
+        if not isinstance(a, fx.Node):
+            return ("const", a)
+        value = self.env[a]
+        if isinstance(value, Node):
+            return ("sym", value)
+        if not isinstance(value, TensorValue):
+            return ("const", value)
+        meta = meta_val(a)
+        if isinstance(value, ComputedValue):
+            layout = layout_of(meta) if is_dense(meta) else None
+            value = self.realize(value, layout=layout, origins=[a.name])
+        ref = self.as_buffer_ref(value)
+        if ref.layout is None:
+            return ref.buffer
+        name = self.new_name("view")
+        self.steps.append(AliasView(name, ref.buffer, ref.layout))
+        return name
+
+
+def _tag_origins(result: Any, name: str, args: Any) -> None:
+    """Remember which fx nodes an unrealized value was built from (for reports and debugging)."""
+    values = result if isinstance(result, (list, tuple)) else [result]
+    inherited: list[str] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, ComputedValue):
+            inherited.extend(o for o in a.origins if o not in inherited)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+    visit(args)
+    for v in values:
+        if isinstance(v, ComputedValue) and not v.origins:
+            v.origins = inherited + [name]
+
+
+def lower_graph(gm: fx.GraphModule, config: Config) -> tuple[LoweredGraph, list[tuple[str, str, str]]]:
+    """Lower `gm`; returns the program and (node, op, reason) for every ATen fallback."""
+    from . import lower_ops  # noqa: F401  (registers the op lowerings)
+    lowering = GraphLowering(gm, config)
+    program = lowering.run()
+    for step in program.steps:
+        if isinstance(step, ComputedBuffer) and step.name in _output_names(program):
+            step.is_output = True
+    return program, lowering.fallback_reasons
+
+
+def _output_names(program: LoweredGraph) -> set[str]:
+    names = {o for o in program.outputs if isinstance(o, str)}
+    for s in program.steps:
+        if isinstance(s, AliasView) and s.name in names:
+            names.add(s.base)
+    return names

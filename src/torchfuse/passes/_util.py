@@ -1,0 +1,302 @@
+"""Helpers shared by the graph passes: purity, aliasing, fake-tensor metadata, constants.
+
+The aliasing helpers exist because every rewrite that replaces a node N by another node R
+changes which tensors share memory.  Eager gave N fresh storage (or a view of some base);
+after the rewrite N's users and, worse, the graph's outputs see R's storage.  That is only
+invisible to the program when nobody outside the graph can observe the two storages at once.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+aten = torch.ops.aten
+
+# Substrings of op names that draw from the RNG.  Most such ops carry the
+# `nondeterministic_seeded` tag; the names catch the few that do not (e.g. prims.inductor_random).
+_RANDOM_WORDS = ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial", "poisson",
+                 "exponential", "geometric", "cauchy", "rrelu")
+# These write their running statistics in place when `training` (args[5]) is true, although
+# their schemas do not say so.
+_MUTATES_WHEN_TRAINING = {"batch_norm", "native_batch_norm", "instance_norm", "_batch_norm_impl_index",
+                          "cudnn_batch_norm", "miopen_batch_norm"}
+# Allocations with unspecified contents: two of them are never "the same value".
+EMPTY_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+# Ops whose result shares storage with their input although the schema does not say so.
+_UNANNOTATED_VIEWS = {"_unsafe_view"}
+_PURE_MODULES = {"_operator", "operator", "math"}
+
+
+def op_name(target: Any) -> str:
+    """'mul' for aten.mul.Tensor; '' for targets that are not ops."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return ""
+
+
+def is_random(node: fx.Node) -> bool:
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in t.tags:
+            return True
+        return any(w in op_name(t) for w in _RANDOM_WORDS)
+    return False
+
+
+def is_impure(node: fx.Node) -> bool:
+    """True for nodes that DCE must keep and CSE must not merge (side effects or randomness)."""
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op == "get_attr":
+        return False
+    if node.op != "call_function":
+        return True  # call_module / call_method do not occur in aten graphs; stay conservative
+    t = node.target
+    if t is operator.getitem:
+        return False
+    if isinstance(t, torch._ops.OpOverload):
+        if t._schema.is_mutable or is_random(node) or node.is_impure():  # is_impure: asserts etc.
+            return True
+        if torch.Tag.maybe_aliasing_or_mutating in t.tags:
+            return True
+        if op_name(t) in _MUTATES_WHEN_TRAINING and not (len(node.args) > 5 and node.args[5] is False):
+            return True
+        return t.namespace in ("_c10d_functional", "c10d_functional")  # collectives / waits
+    if getattr(t, "__module__", None) in _PURE_MODULES:
+        return False  # SymInt arithmetic (operator.mul, math.ceil, ...)
+    if getattr(t, "__name__", "").startswith("sym_") and getattr(t, "__module__", "").startswith("torch"):
+        return False  # torch.sym_max, torch.sym_float, ...
+    return True  # higher-order ops and unknown Python callables: keep, never merge
+
+
+def is_mutating(node: fx.Node) -> bool:
+    """Nodes that may write memory (so values read before and after them may differ)."""
+    t = node.target
+    if node.op != "call_function" or t is operator.getitem:
+        return False
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable or (is_impure(node) and not is_random(node))
+    return is_impure(node)
+
+
+def written_args(node: fx.Node) -> list[fx.Node]:
+    """The input nodes that `node` may write into."""
+    if not is_mutating(node):
+        return []
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+        out = []
+        for i, a in enumerate(t._schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                out += [n for n in flat_nodes(v)]
+        return out
+    return flat_nodes((node.args, node.kwargs))  # unknown effect: assume it writes every input
+
+
+def flat_nodes(a: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(a, out.append)
+    return out
+
+
+# ---- aliasing -------------------------------------------------------------------------------
+def alias_input(node: fx.Node) -> fx.Node | None:
+    """The input whose storage `node`'s result may share (None: the result is fresh memory)."""
+    if node.op != "call_function":
+        return None
+    t = node.target
+    if t is operator.getitem:
+        # an element of split()/unbind() is a view of their input; of max.dim() etc. it is fresh
+        base = node.args[0]
+        return alias_input(base) if isinstance(base, fx.Node) else None
+    if not isinstance(t, torch._ops.OpOverload):
+        return None
+    schema = t._schema
+    if not any(r.alias_info is not None for r in schema.returns) and op_name(t) not in _UNANNOTATED_VIEWS:
+        return None
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None or op_name(t) in _UNANNOTATED_VIEWS:
+            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+            return v if isinstance(v, fx.Node) else None
+    return None
+
+
+def alias_root(node: fx.Node) -> fx.Node:
+    """The node that owns the storage `node` lives in (itself unless it is a view)."""
+    while (base := alias_input(node)) is not None:
+        node = base
+    return node
+
+
+def _direct_base(u: fx.Node) -> fx.Node | None:
+    """The node `u` is a view of, one step up (for getitem: the split()/unbind() node)."""
+    if alias_input(u) is None:
+        return None
+    return u.args[0] if u.target is operator.getitem else alias_input(u)
+
+
+def alias_tree(node: fx.Node) -> set[fx.Node]:
+    """`node` and every view taken (transitively) from it."""
+    seen, stack = {node}, [node]
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u not in seen and _direct_base(u) is cur:
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def output_values(graph: fx.Graph) -> set[fx.Node]:
+    outs = graph.find_nodes(op="output")
+    return set(flat_nodes(outs[0].args)) if outs else set()
+
+
+def is_written(nodes: Iterable[fx.Node]) -> bool:
+    nodes = set(nodes)
+    return any(n in nodes for m in nodes for u in m.users for n in written_args(u))
+
+
+def can_forward(node: fx.Node, repl: fx.Node) -> bool:
+    """May every use of `node` read `repl` instead without creating aliasing eager did not have?"""
+    outs = output_values(node.graph)
+    root_r = alias_root(repl)
+    if node in outs:
+        # two outputs would become one tensor object, or an output would be (a view of) an input
+        if repl in outs or root_r.op in ("placeholder", "get_attr"):
+            return False
+    root_n = alias_root(node)
+    if root_n is root_r:
+        return True  # node is already a view into repl's storage: no new sharing
+    moved, target = alias_tree(node), alias_tree(root_r)
+    visible_r = root_r.op in ("placeholder", "get_attr") or bool(target & outs)
+    if moved & outs and visible_r:
+        return False  # an output would now share memory with an input, constant or other output
+    # node's users would now read storage someone writes (or write into repl's storage)
+    return not (is_written(moved | alias_tree(root_n)) or is_written(target))
+
+
+# ---- fake tensors and metadata --------------------------------------------------------------
+def fake_mode_of(graph: fx.Graph) -> FakeTensorMode:
+    vals = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode(vals) or detect_fake_mode([n.meta.get("val") for n in graph.nodes])
+    if mode is None:
+        mode = graph.__dict__.setdefault("_torchfuse_fake_mode", FakeTensorMode(allow_non_fake_inputs=True))
+    return mode
+
+
+def _fake_arg(node: fx.Node, mode: FakeTensorMode) -> Any:
+    val = node.meta.get("val")
+    if val is None and node.op == "get_attr":
+        val = getattr(node.graph.owning_module, node.target)
+    if isinstance(val, torch.Tensor) and not isinstance(val, FakeTensor):
+        with unset_fake_temporarily():
+            val = mode.from_tensor(val, static_shapes=True)
+    return val
+
+
+def create_node(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None,
+                meta_from: fx.Node | None = None) -> fx.Node:
+    """Insert `target(*args, **kwargs)` at the current insertion point with its meta["val"]
+    computed by running the op on the inputs' fake values.  Raises if the op raises."""
+    kwargs = kwargs or {}
+    mode = fake_mode_of(graph)
+    fargs, fkwargs = fx.node.map_arg((args, kwargs), lambda n: _fake_arg(n, mode))
+    with mode:
+        val = target(*fargs, **fkwargs)
+    node = graph.call_function(target, args, kwargs)
+    if meta_from is not None:  # keep provenance (stack traces, module paths) for debug output
+        node.meta.update({k: v for k, v in meta_from.meta.items() if k not in ("val", "tensor_meta")})
+    node.meta["val"] = val
+    return node
+
+
+def sym_eq(a: Any, b: Any) -> bool:
+    """Structural equality of ints/SymInts that never installs a guard."""
+    ea = a.node.expr if isinstance(a, torch.SymInt) else a
+    eb = b.node.expr if isinstance(b, torch.SymInt) else b
+    try:
+        return bool(ea == eb)  # sympy `==` is structural, not a guard
+    except Exception:
+        return False
+
+
+def same_seq(a: Iterable[Any], b: Iterable[Any]) -> bool:
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(sym_eq(x, y) for x, y in zip(a, b))
+
+
+def same_meta(a: Any, b: Any) -> bool:
+    """Same shape, strides, storage offset, dtype and device: one can stand in for the other
+    without invalidating the metadata recorded on any downstream node."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    return (a.dtype == b.dtype and a.device == b.device and a.layout == b.layout == torch.strided
+            and same_seq(a.shape, b.shape) and same_seq(a.stride(), b.stride())
+            and sym_eq(a.storage_offset(), b.storage_offset()))
+
+
+def has_symbols(val: Any) -> bool:
+    if isinstance(val, (tuple, list)):
+        return any(has_symbols(v) for v in val)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(val, torch.Tensor) and bool(free_symbols(val))
+
+
+def val_of(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+# ---- constants ------------------------------------------------------------------------------
+_FILL_ARG = {  # constructor -> index of its fill value (None: the value is implied)
+    aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+    aten.scalar_tensor.default: 0, aten.ones.default: None, aten.ones_like.default: None,
+    aten.new_ones.default: None, aten.zeros.default: None, aten.zeros_like.default: None,
+    aten.new_zeros.default: None,
+}
+
+
+def const_value(a: Any) -> bool | int | float | None:
+    """The single value of a Python scalar or of a tensor all of whose elements are equal and known
+    at compile time, as stored in its dtype (so full(..., 0.7, dtype=int64) reads 0 and a
+    -0.0 keeps its sign).  None when unknown or complex."""
+    if isinstance(a, (bool, int, float)):
+        return a
+    if not isinstance(a, fx.Node):
+        return None
+    val = val_of(a)
+    if not isinstance(val, torch.Tensor) or val.is_complex():
+        return None
+    with unset_fake_temporarily():
+        if a.op == "call_function" and a.target in _FILL_ARG:
+            i = _FILL_ARG[a.target]
+            name = op_name(a.target)
+            v = (1 if "ones" in name else 0) if i is None else (a.args[i] if i < len(a.args) else None)
+            if not isinstance(v, (bool, int, float)):
+                return None
+            return torch.tensor(v, dtype=val.dtype).item()
+        if a.op == "get_attr":
+            t = getattr(a.graph.owning_module, a.target, None)
+            if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or not 0 < t.numel() <= 1024:
+                return None
+            t = t.detach().cpu().reshape(-1)
+            first = t[0]
+            if not bool((t == first).all()):
+                return None
+            if t.is_floating_point() and not bool((t.signbit() == first.signbit()).all()):
+                return None
+            return first.item()
+    return None
+
+
+def is_neg_zero(v: Any) -> bool:
+    return isinstance(v, float) and v == 0.0 and math.copysign(1.0, v) < 0

@@ -1,0 +1,29 @@
+"""The small value types shared by the pass manager and the passes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PassContext:
+    """What a pass may assume about the graph it rewrites."""
+
+    inference: bool = False
+    """True when the graph is an inference graph (no autograd will run through it).  Rewrites
+    that are only exact when parameters and buffers are frozen for the call (conv-bn folding,
+    which changes what the backward pass would see) run only then."""
+
+
+@dataclass
+class PassRecord:
+    """What one pass did: wall time, node counts before and after, and how many rewrites."""
+
+    name: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    changes: int
+
+    def __str__(self) -> str:
+        return (f"{self.name:<16} {self.seconds * 1e3:.1f} ms  "
+                f"{self.nodes_before} -> {self.nodes_after} nodes  ({self.changes} changes)")

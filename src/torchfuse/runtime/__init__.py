@@ -1,0 +1,1 @@
+"""Runtime support: building and loading generated kernels (see `cpp_build`)."""

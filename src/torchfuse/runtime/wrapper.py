@@ -1,0 +1,189 @@
+"""The generated Python wrapper: allocate buffers, launch kernels, call ATen fallbacks, free early.
+
+The wrapper is Python source generated per graph (printable, so it can be read in the debug
+folder) and `exec`-ed once.  Per call it only does what must happen at run time: bind symbolic
+sizes from the inputs, allocate outputs and stored intermediates, call kernels through ctypes,
+and `del` each intermediate right after its last use.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph
+from ..ir.nodes import INDEX, Node
+from ..scheduler.fusion import Kernel
+
+
+def py_index(n: Node) -> str:
+    """An index Node as a Python int expression (sizes are non-negative, so // and % agree)."""
+    if n.op == "const":
+        return str(int(n.arg))
+    if n.op in ("sym", "var"):
+        return n.arg
+    if n.op == "add":
+        return "(" + " + ".join(py_index(a) for a in n.args) + ")"
+    if n.op == "mul":
+        return "(" + " * ".join(py_index(a) for a in n.args) + ")"
+    if n.op == "floordiv":
+        return f"({py_index(n.args[0])} // {py_index(n.args[1])})"
+    if n.op == "mod":
+        return f"({py_index(n.args[0])} % {py_index(n.args[1])})"
+    raise ValueError(f"not an index expression: {n}")
+
+
+def _tuple(nodes) -> str:
+    return "(" + "".join(py_index(n) + ", " for n in nodes) + ")"
+
+
+class WrapperBuilder:
+    def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
+                 stored: set[str]):
+        self.program = program
+        self.items = items
+        self.kernel_args = kernel_args
+        self.stored = stored
+        self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten}
+        self.lines: list[str] = []
+
+    def const(self, value: Any) -> str:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+                pass
+            else:
+                return repr(value)
+        name = f"_c{len(self.globals)}"
+        self.globals[name] = value
+        return name
+
+    def arg(self, a: Any) -> str:
+        if isinstance(a, BufferRef):
+            return self.view(a.buffer, a.layout) if a.layout is not None else a.buffer
+        if isinstance(a, Node):
+            return py_index(a) if a.dtype == INDEX else self.const(a)
+        if isinstance(a, list):
+            return "[" + ", ".join(self.arg(x) for x in a) + "]"
+        if isinstance(a, tuple):
+            return "(" + "".join(self.arg(x) + ", " for x in a) + ")"
+        return self.const(a)
+
+    def view(self, base: str, layout: Layout) -> str:
+        return f"torch.as_strided({base}, {_tuple(layout.sizes)}, {_tuple(layout.strides)}, " \
+               f"{base}.storage_offset() + {py_index(layout.offset)})"
+
+    def build(self) -> str:
+        p = self.program
+        L = self.lines
+        L.append("def call(args):")
+        names = [f"in{i}" for i in range(len(p.inputs))]
+        if names:
+            L.append(f"    {', '.join(names)}, = args")
+        for sym_name, (pos, kind, dim) in sorted(p.symbols.items()):
+            src = f"in{pos}.size({dim})" if kind == "size" else f"in{pos}.stride({dim})" if kind == "stride" \
+                else f"int(in{pos})"
+            L.append(f"    {sym_name} = {src}")
+        L.append("    args.clear()")
+        last_use = self._last_uses()
+        for pos, item in enumerate(self.items):
+            if isinstance(item, Kernel):
+                bufs, syms = self.kernel_args[item.name]
+                for m in item.members:
+                    if m.buffer.name in self.stored:
+                        self._alloc(m.buffer.name)
+                call_args = [f"{b}.data_ptr()" for b in bufs] + list(syms)
+                L.append(f"    {item.name}({', '.join(call_args)})")
+            elif isinstance(item, AliasView):
+                L.append(f"    {item.name} = {self.view(item.base, item.layout)}")
+            elif isinstance(item, FallbackCall):
+                self._fallback(item)
+            dead = [b for b, last in last_use.items() if last == pos and b not in self._outputs()]
+            if dead:
+                L.append(f"    del {', '.join(sorted(dead))}")
+        outs = []
+        for o in p.outputs:
+            if o is None:
+                outs.append("None")
+            elif isinstance(o, str):
+                outs.append(o)
+            elif o[0] == "sym":
+                outs.append(py_index(o[1]))
+            else:
+                outs.append(self.const(o[1]))
+        L.append(f"    return ({''.join(x + ', ' for x in outs)})")
+        return "\n".join(L) + "\n"
+
+    def _outputs(self) -> set[str]:
+        return {o for o in self.program.outputs if isinstance(o, str)}
+
+    def _alloc(self, name: str) -> None:
+        sizes, strides, dtype, device = self.program.buffer_meta[name]
+        self.lines.append(f"    {name} = torch.empty_strided({_tuple(sizes)}, {_tuple(strides)}, "
+                          f"dtype={self.const(dtype)}, device={self.const(device)})")
+
+    def _fallback(self, item: FallbackCall) -> None:
+        L = self.lines
+        if item.target == "get_attr":
+            L.append(f"    {item.outputs[0]} = {self.const(item.args[0])}")
+            return
+        fn = self.const(item.target)
+        args = ", ".join(self.arg(a) for a in item.args)
+        kwargs = ", ".join(f"{k}={self.arg(v)}" for k, v in item.kwargs.items())
+        call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
+        tensors = [o for o in item.outputs if o is not None]
+        if len(item.outputs) == 1 and tensors:
+            L.append(f"    {tensors[0]} = {call}")
+        elif tensors:
+            tmp = f"_r_{item.node_name}"
+            L.append(f"    {tmp} = {call}")
+            for k, o in enumerate(item.outputs):
+                if o is not None:
+                    L.append(f"    {o} = {tmp}[{k}]")
+        else:
+            L.append(f"    {call}")
+        for o in tensors:
+            # Kernels index this buffer with the strides the fake tensor predicted; ATen almost
+            # always agrees, and when it does not we restride once rather than read garbage.
+            sizes, strides, _, _ = self.program.buffer_meta[o]
+            L.append(f"    if {o}.stride() != {_tuple(strides)}: {o} = _restride({o}, {_tuple(sizes)}, {_tuple(strides)})")
+
+    def _last_uses(self) -> dict[str, int]:
+        last: dict[str, int] = {}
+
+        def visit(a: Any, pos: int) -> None:
+            if isinstance(a, BufferRef):
+                last[a.buffer] = pos
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    visit(x, pos)
+
+        for pos, item in enumerate(self.items):
+            if isinstance(item, Kernel):
+                bufs, _ = self.kernel_args[item.name]
+                for b in bufs:
+                    last[b] = pos
+            elif isinstance(item, AliasView):
+                last[item.base] = pos
+                last[item.name] = pos
+            elif isinstance(item, FallbackCall):
+                visit(item.args, pos)
+                visit(list(item.kwargs.values()), pos)
+                for o in item.outputs:
+                    if o is not None:
+                        last.setdefault(o, pos)
+                        last[o] = max(last[o], pos)
+        return {b: p for b, p in last.items() if not b.startswith("in")}
+
+
+def _restride(t: torch.Tensor, size, stride) -> torch.Tensor:
+    out = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def make_callable(source: str, globals_: dict[str, Any], kernels: dict[str, Callable]) -> Callable:
+    scope = dict(globals_)
+    scope.update(kernels)
+    scope["_restride"] = _restride
+    exec(compile(source, "<torchfuse wrapper>", "exec"), scope)
+    return scope["call"]

@@ -1,0 +1,124 @@
+"""Backend-neutral loop planning for one kernel: dim merging, stages, and which buffers to store.
+
+* Dim merging: adjacent loop dims are merged when every memory access stays affine (no new
+  `//` or `%` appears).  A contiguous elementwise kernel becomes one flat loop; a bias-add keeps
+  two loops so the inner one stays contiguous.
+* Stages: a reduction kernel runs, per outer point, a sequence of stages; independent
+  reductions over the same rows share one pass over the data.
+* Stores: a member is written to memory only when something outside its own loop reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.nodes import Node, floordiv, loads, mod, substitute, var, walk
+from .fusion import Kernel, Member
+
+
+@dataclass
+class Stage:
+    kind: str                       # "reduce" (loop over inner, accumulate), "inner" (loop over inner), "outer"
+    members: list[Member] = field(default_factory=list)
+
+
+@dataclass
+class LoopPlan:
+    kernel: Kernel
+    outer: tuple[Node, ...]          # merged outer sizes (vars x0..)
+    inner: tuple[Node, ...]          # merged inner sizes (vars y0..)
+    members: list[Member]            # bodies/stores rewritten to the merged vars
+    stages: list[Stage]
+    stored: set[str]                 # buffer names written to memory
+    ranges: dict[str, Node]          # var name -> size
+
+
+def _count_divmod(members: list[Member]) -> int:
+    total = 0
+    for m in members:
+        for e in [m.store] + [ld.args[0] for ld in loads(m.body)]:
+            total += sum(1 for n in walk(e) if n.op in ("floordiv", "mod"))
+    return total
+
+
+def _rewrite(members: list[Member], mapping: dict[Node, Node], ranges: dict[str, Node]) -> list[Member]:
+    return [Member(m.buffer, m.role, substitute(m.body, mapping, ranges), substitute(m.store, mapping, ranges))
+            for m in members]
+
+
+def _merge_dims(members: list[Member], sizes: tuple[Node, ...], prefix: str,
+                other: dict[str, Node]) -> tuple[list[Member], tuple[Node, ...]]:
+    """Greedily merge adjacent dims (from the innermost) while no access gets div/mod."""
+    sizes = list(sizes)
+    k = len(sizes) - 2
+    while k >= 0 and len(sizes) > 1:
+        merged = sizes[k] * sizes[k + 1]
+        new_sizes = sizes[:k] + [merged] + sizes[k + 2:]
+        ranges = dict(other)
+        ranges.update({f"{prefix}{j}": s for j, s in enumerate(new_sizes)})
+        m = var(f"{prefix}__m")
+        mapping = {var(f"{prefix}{k}"): floordiv(m, sizes[k + 1]), var(f"{prefix}{k + 1}"): mod(m, sizes[k + 1])}
+        # vars after the merged pair shift down by one
+        for j in range(k + 2, len(sizes)):
+            mapping[var(f"{prefix}{j}")] = var(f"{prefix}{j - 1}__t")
+        ranges[f"{prefix}__m"] = merged
+        for j in range(k + 2, len(sizes)):
+            ranges[f"{prefix}{j - 1}__t"] = sizes[j]
+        trial = _rewrite(members, mapping, ranges)
+        if _count_divmod(trial) <= _count_divmod(members):
+            rename = {m: var(f"{prefix}{k}")}
+            for j in range(k + 2, len(sizes)):
+                rename[var(f"{prefix}{j - 1}__t")] = var(f"{prefix}{j - 1}")
+            final_ranges = dict(other)
+            final_ranges.update({f"{prefix}{j}": s for j, s in enumerate(new_sizes)})
+            members = _rewrite(trial, rename, final_ranges)
+            sizes = new_sizes
+        k -= 1
+    return members, tuple(sizes)
+
+
+def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = True) -> LoopPlan:
+    members = list(kernel.members)
+    outer, inner = kernel.outer, kernel.inner
+    if merge:
+        inner_ranges = {f"y{j}": s for j, s in enumerate(inner)}
+        members, outer = _merge_dims(members, outer, "x", inner_ranges)
+        outer_ranges = {f"x{j}": s for j, s in enumerate(outer)}
+        members, inner = _merge_dims(members, inner, "y", outer_ranges)
+    ranges = {f"x{j}": s for j, s in enumerate(outer)}
+    ranges.update({f"y{j}": s for j, s in enumerate(inner)})
+
+    stages: list[Stage] = []
+    for m in members:
+        kind = "outer" if m.role == "outer" else "reduce" if m.role == "reduce" else "inner"
+        if kernel.kind == "pointwise":
+            kind = "inner"
+        last = stages[-1] if stages else None
+        # inside one elementwise loop a member may read another at the same point; a reduction
+        # stage may not read a sibling's accumulator before the loop ends
+        if last is not None and last.kind == kind and kind != "outer" and (kind == "inner" or not _depends(m, last)):
+            last.members.append(m)
+        else:
+            stages.append(Stage(kind, [m]))
+
+    # A member must be stored if anything other than its own stage reads it.
+    stage_of = {m.buffer.name: i for i, s in enumerate(stages) for m in s.members}
+    stored: set[str] = set()
+    for m in members:
+        name = m.buffer.name
+        outside = readers.get(name, set()) - {kernel.name}
+        if outside or m.buffer.is_output:
+            stored.add(name)
+            continue
+        for i, s in enumerate(stages):
+            for other in s.members:
+                if any(ld.arg == name for ld in loads(other.body)):
+                    same_loop = i == stage_of[name] and s.kind != "reduce"
+                    scalar = m.role in ("reduce", "outer")   # per-row values live in a local variable
+                    if not same_loop and not scalar:
+                        stored.add(name)
+    return LoopPlan(kernel, outer, inner, members, stages, stored, ranges)
+
+
+def _depends(m: Member, stage: Stage) -> bool:
+    names = {o.buffer.name for o in stage.members}
+    return any(ld.arg in names for ld in loads(m.body))
