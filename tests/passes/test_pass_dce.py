@@ -85,3 +85,14 @@ def test_removes_dead_multi_output_op_and_getitems():
     gm = trace(f, inputs_of(torch.float32, 3, 4))
     assert run(gm, "dce") == 3
     assert n_calls(gm) == 1
+
+
+def test_keeps_asserts():
+    def f(x):
+        torch._assert_async(x.sum() != 12345.0)
+        return x * 2
+    gm = trace(f, inputs_of(torch.float32, 4))
+    n_assert = count(gm, aten._assert_async.default)
+    assert n_assert == 1
+    run(gm, "dce")
+    assert count(gm, aten._assert_async.default) == 1

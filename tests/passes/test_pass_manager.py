@@ -77,3 +77,21 @@ def test_recompiles_generated_code():
 def test_empty_pipeline_is_fine():
     gm = trace(_fn, inputs_of(torch.float32, 3))
     assert run_passes(gm, [], PassContext(inference=True)) == []
+
+
+def test_graph_without_meta_is_left_alone():
+    # a plain symbolic_trace graph: no aten targets, no meta["val"]; nothing may crash
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(self.conv(x)) * 1 + torch.relu(x).sum()
+    m = M().eval()
+    gm = torch.fx.symbolic_trace(m)
+    records = run_passes(gm, DEFAULT_PIPELINE, PassContext(inference=True))
+    assert sum(r.changes for r in records) == 0
+    x = inputs_of(torch.float32, 2, 3, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), m(x))

@@ -286,11 +286,12 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     """C++ for one kernel; returns (source, buffer argument names, symbol argument names)."""
     kernel = plan.kernel
     written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
+    produced = {m.buffer.name for m in plan.members}
     read: list[str] = []
     syms: set[str] = set()
     for m in plan.members:
         for n in _all_nodes(m):
-            if n.op == "load" and n.arg not in read and n.arg not in written:
+            if n.op == "load" and n.arg not in read and n.arg not in produced:
                 read.append(n.arg)
             if n.op == "sym":
                 syms.add(n.arg)

@@ -468,3 +468,20 @@ def _batch_norm_inference(lw, x, weight, bias, running_mean, running_var, moment
 
 
 __all__ = ["pointwise", "bcast_load", "upcast", "promoted_dtype", "math"]
+
+
+@register(prims.div.default)
+def _prims_div(lw, a, b):
+    compute = upcast(promoted_dtype([a, b]))
+    name = "truediv" if compute.is_floating_point else "truncdiv"
+    return pointwise(lw, [a, b], lambda x, y: op(name, x, y, dtype=x.dtype), compute=compute)
+
+
+for _name in ("add", "sub", "mul", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "fmod",
+              "remainder", "pow"):
+    register(getattr(prims, _name).default)(_binary(_name))
+for _name in ("exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "erf", "log1p", "expm1"):
+    register(getattr(prims, _name).default)(_float_unary(_name))
+register(prims.neg.default)(_neg)
+register(prims.abs.default)(_abs)
+register(prims.where.default)(_where)

@@ -144,3 +144,27 @@ def _any(lw, x, dim=None, keepdim=False):
 def _prims_sum(lw, x, dims, *, output_dtype=None):
     out = lw.out_dtype()
     return reduction(lw, x, _dims(x, list(dims)), "sum", _acc(x, out) if out != torch.bool else torch.int64, out, False)
+
+
+@register(prims.var.default)
+def _prims_var(lw, x, dims, correction=1, *, output_dtype=None):
+    """Two-pass variance: mean first, then the mean of squared deviations (more accurate than
+    E[x^2]-E[x]^2); both reductions run over the same rows in one kernel."""
+    dims = _dims(x, list(dims) if dims is not None else None)
+    out = lw.out_dtype()
+    acc = upcast(x.dtype)
+    count = const(1)
+    for d in dims:
+        count = count * x.shape[d]
+    total = reduction(lw, x, dims, "sum", acc, acc, True)
+
+    def centered(idx_full: list[Node]) -> Node:
+        mean = op("truediv", total.load(idx_full), cast(count, acc), dtype=acc)
+        return op("sub", cast(x.load(idx_full), acc), mean, dtype=acc)
+
+    sq = ComputedValue(x.shape, acc, lambda idx: (lambda c: op("mul", c, c, dtype=acc))(centered(list(idx))))
+    sq_sum = reduction(lw, sq, dims, "sum", acc, acc, False)
+    corr = correction if not isinstance(correction, Node) else cast(correction, acc)
+    denom = op("sub", cast(count, acc), const(corr, acc) if not isinstance(corr, Node) else corr, dtype=acc)
+    return ComputedValue(sq_sum.shape, out, lambda idx: cast(
+        op("truediv", sq_sum.load(list(idx)), op("maximum", denom, const(0, acc), dtype=acc), dtype=acc), out))

@@ -111,6 +111,21 @@ def is_dense(t: torch.Tensor) -> bool:
         return False
 
 
+def is_non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements share a slot (concrete sizes only); gaps are allowed."""
+    try:
+        dims = sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride()) if int(sz) > 1)
+    except Exception:
+        return False
+    span = 1
+    for st, sz in dims:
+        if st < span:
+            return False
+        span = st * (sz - 1) + 1 if st else span
+        span = max(span, st * sz)
+    return True
+
+
 def layout_of(t: torch.Tensor, *, with_offset: bool = False) -> Layout:
     off = sym_to_node(t.storage_offset()) if with_offset else const(0)
     return Layout(shape_of(t), tuple(sym_to_node(s) for s in t.stride()), off)
@@ -247,11 +262,10 @@ class GraphLowering:
         value = getattr(self.gm, node.target)
         if isinstance(value, torch.Tensor):
             name = self.new_name("const")
-            self.inputs.append((f"self.{node.target}", value))
             self.buffer_meta[name] = (shape_of(value), tuple(const(s) for s in value.stride()), value.dtype, value.device)
             # get_attr tensors are bound by the wrapper under the name "constN"
             self.env[node] = StridedValue(name, layout_of(value), value.dtype)
-            self.steps.append(FallbackCall(node.name, "get_attr", (node.target,), {}, [name], "constant"))
+            self.steps.append(FallbackCall(node.name, "get_attr", (value,), {}, [name], "constant"))
         else:
             self.env[node] = value
 
@@ -352,7 +366,9 @@ class GraphLowering:
             return ("const", value)
         meta = meta_val(a)
         if isinstance(value, ComputedValue):
-            layout = layout_of(meta) if is_dense(meta) else None
+            # Produce exactly eager's strides (even a non-dense view's): AOTAutograd traced the
+            # backward graph, which may read this output, with those strides.
+            layout = layout_of(meta) if is_dense(meta) or is_non_overlapping(meta) else None
             value = self.realize(value, layout=layout, origins=[a.name])
         ref = self.as_buffer_ref(value)
         if ref.layout is None:

@@ -16,26 +16,26 @@ from typing import Callable, Sequence
 
 import torch.fx
 
-from .constant_fold import constant_fold
+# Imported under private names so that `torchfuse.passes.cse` etc. stay the submodules.
+from .constant_fold import constant_fold as _constant_fold
 from .context import PassContext, PassRecord
-from .conv_bn_fold import conv_bn_fold
-from .cse import cse
-from .dce import dce
-from .simplify import simplify
+from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
+from .cse import cse as _cse
+from .dce import dce as _dce
+from .simplify import simplify as _simplify
 
-__all__ = ["REGISTRY", "PassContext", "PassRecord", "run_passes", "DEFAULT_PIPELINE",
-           "dce", "cse", "constant_fold", "simplify", "conv_bn_fold"]
+__all__ = ["REGISTRY", "PassContext", "PassRecord", "run_passes", "DEFAULT_PIPELINE"]
 
 log = logging.getLogger("torchfuse.passes")
 
 Pass = Callable[[torch.fx.GraphModule, PassContext], int]
 
 REGISTRY: dict[str, Pass] = {
-    "dce": dce,
-    "cse": cse,
-    "constant_fold": constant_fold,
-    "simplify": simplify,
-    "conv_bn_fold": conv_bn_fold,
+    "dce": _dce,
+    "cse": _cse,
+    "constant_fold": _constant_fold,
+    "simplify": _simplify,
+    "conv_bn_fold": _conv_bn_fold,
 }
 
 DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "dce")

@@ -7,6 +7,7 @@ invisible to the program when nobody outside the graph can observe the two stora
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Iterable
@@ -41,13 +42,22 @@ def op_name(target: Any) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=None)
+def _op_random(op: torch._ops.OpOverload) -> bool:
+    return torch.Tag.nondeterministic_seeded in op.tags or any(w in op_name(op) for w in _RANDOM_WORDS)
+
+
+def _op_impure(op: torch._ops.OpOverload, node: fx.Node) -> bool:
+    """Argument-independent impurity of an op; cached in _OP_IMPURE (asked for every node).
+    fx's `node.is_impure()` looks only at the target for an OpOverload."""
+    maybe_mutating = getattr(torch.Tag, "maybe_aliasing_or_mutating", None)
+    return (op._schema.is_mutable or _op_random(op) or node.is_impure()  # fx: asserts, effects
+            or (maybe_mutating is not None and maybe_mutating in op.tags)
+            or op.namespace in ("_c10d_functional", "c10d_functional"))  # collectives / waits
+
+
 def is_random(node: fx.Node) -> bool:
-    t = node.target
-    if isinstance(t, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in t.tags:
-            return True
-        return any(w in op_name(t) for w in _RANDOM_WORDS)
-    return False
+    return isinstance(node.target, torch._ops.OpOverload) and _op_random(node.target)
 
 
 def is_impure(node: fx.Node) -> bool:
@@ -62,13 +72,11 @@ def is_impure(node: fx.Node) -> bool:
     if t is operator.getitem:
         return False
     if isinstance(t, torch._ops.OpOverload):
-        if t._schema.is_mutable or is_random(node) or node.is_impure():  # is_impure: asserts etc.
+        if t not in _OP_IMPURE:
+            _OP_IMPURE[t] = _op_impure(t, node)
+        if _OP_IMPURE[t]:
             return True
-        if torch.Tag.maybe_aliasing_or_mutating in t.tags:
-            return True
-        if op_name(t) in _MUTATES_WHEN_TRAINING and not (len(node.args) > 5 and node.args[5] is False):
-            return True
-        return t.namespace in ("_c10d_functional", "c10d_functional")  # collectives / waits
+        return op_name(t) in _MUTATES_WHEN_TRAINING and not (len(node.args) > 5 and node.args[5] is False)
     if getattr(t, "__module__", None) in _PURE_MODULES:
         return False  # SymInt arithmetic (operator.mul, math.ceil, ...)
     if getattr(t, "__name__", "").startswith("sym_") and getattr(t, "__module__", "").startswith("torch"):
@@ -76,13 +84,20 @@ def is_impure(node: fx.Node) -> bool:
     return True  # higher-order ops and unknown Python callables: keep, never merge
 
 
+_OP_IMPURE: dict[torch._ops.OpOverload, bool] = {}
+
+
 def is_mutating(node: fx.Node) -> bool:
-    """Nodes that may write memory (so values read before and after them may differ)."""
+    """Nodes that may write memory (so values read before and after them may differ).
+    Random ops and asserts are impure but write nothing a pure value can read."""
     t = node.target
     if node.op != "call_function" or t is operator.getitem:
         return False
     if isinstance(t, torch._ops.OpOverload):
-        return t._schema.is_mutable or (is_impure(node) and not is_random(node))
+        maybe_mutating = getattr(torch.Tag, "maybe_aliasing_or_mutating", None)
+        return (t._schema.is_mutable or (maybe_mutating is not None and maybe_mutating in t.tags)
+                or t.namespace in ("_c10d_functional", "c10d_functional")
+                or (op_name(t) in _MUTATES_WHEN_TRAINING and is_impure(node)))
     return is_impure(node)
 
 
@@ -119,14 +134,23 @@ def alias_input(node: fx.Node) -> fx.Node | None:
         return alias_input(base) if isinstance(base, fx.Node) else None
     if not isinstance(t, torch._ops.OpOverload):
         return None
-    schema = t._schema
-    if not any(r.alias_info is not None for r in schema.returns) and op_name(t) not in _UNANNOTATED_VIEWS:
+    i, name = _aliased_arg(t)
+    if i is None:
         return None
+    v = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+    return v if isinstance(v, fx.Node) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _aliased_arg(op: torch._ops.OpOverload) -> tuple[int | None, str]:
+    """(index, name) of the argument an op's result may alias, from its schema's alias info."""
+    schema, unannotated = op._schema, op_name(op) in _UNANNOTATED_VIEWS
+    if not unannotated and not any(r.alias_info is not None for r in schema.returns):
+        return None, ""
     for i, a in enumerate(schema.arguments):
-        if a.alias_info is not None or op_name(t) in _UNANNOTATED_VIEWS:
-            v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            return v if isinstance(v, fx.Node) else None
-    return None
+        if a.alias_info is not None or unannotated:
+            return i, a.name
+    return None, ""
 
 
 def alias_root(node: fx.Node) -> fx.Node:

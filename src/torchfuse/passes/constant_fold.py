@@ -72,7 +72,8 @@ def _evaluate(gm: fx.GraphModule) -> dict[fx.Node, Any]:
             if t is not None:
                 env[node] = t
             continue
-        if not _foldable(node) or not all(n in env for n in flat_nodes((node.args, node.kwargs))):
+        # the cheap test first: most nodes read a graph input somewhere
+        if not all(n in env for n in flat_nodes((node.args, node.kwargs))) or not _foldable(node):
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
         try:
@@ -125,7 +126,7 @@ def constant_fold(gm: fx.GraphModule, ctx: PassContext) -> int:
     with unset_fake_temporarily(), torch.no_grad():
         env = _evaluate(gm)
         chosen = _choose(env, output_values(graph))
-        mode = fake_mode_of(graph)
+        mode = fake_mode_of(graph) if chosen else None
         for node in chosen:
             value, fake = env[node], node.meta["val"]
             # Lay the buffer out exactly as the metadata says, so downstream strides stay valid.

@@ -38,21 +38,20 @@ _BN_OPS: dict[Any, tuple[int | None, int]] = {
 }
 
 
-def _bn_output(bn: fx.Node) -> fx.Node | None:
-    """The node carrying the normalized activation (getitem 0 for tuple-returning variants)."""
+def _bn_outputs(bn: fx.Node) -> list[fx.Node]:
+    """The nodes carrying the normalized activation (getitem 0 for tuple-returning variants)."""
     if bn.target is aten.batch_norm.default:
-        return bn
-    outs = [u for u in bn.users]
+        return [bn]
+    outs = list(bn.users)
     if not all(u.target is operator.getitem for u in outs):
-        return None
+        return []
     if any(u.args[1] != 0 and u.users for u in outs):
-        return None  # the saved statistics are read: keep the batch norm
-    firsts = [u for u in outs if u.args[1] == 0]
-    return firsts[0] if len(firsts) == 1 else None
+        return []  # the saved statistics are read: keep the batch norm
+    return [u for u in outs if u.args[1] == 0]
 
 
-def _match(bn: fx.Node) -> tuple[fx.Node, fx.Node] | None:
-    """(conv, bn output) if `bn` is an inference batch norm of a foldable convolution."""
+def _match(bn: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """(conv, bn outputs) if `bn` is an inference batch norm of a foldable convolution."""
     training_idx, eps_idx = _BN_OPS[bn.target]
     if len(bn.args) <= eps_idx or (training_idx is not None and bn.args[training_idx] is not False):
         return None
@@ -73,8 +72,8 @@ def _match(bn: fx.Node) -> tuple[fx.Node, fx.Node] | None:
     for p in (w_bn, b_bn):
         if p is not None and not (isinstance(p, fx.Node) and isinstance(val_of(p), torch.Tensor)):
             return None
-    out = _bn_output(bn)
-    return (conv, out) if out is not None else None
+    outs = _bn_outputs(bn)
+    return (conv, outs) if outs else None
 
 
 def _fold(graph: fx.Graph, bn: fx.Node, conv: fx.Node) -> fx.Node:
@@ -120,18 +119,19 @@ def conv_bn_fold(gm: fx.GraphModule, ctx: PassContext) -> int:
         match = _match(bn)
         if match is None:
             continue
-        conv, out = match
+        conv, outs = match
         marker = bn.prev  # everything inserted lands between marker and bn
         try:
             with graph.inserting_before(bn):
                 new_conv = _fold(graph, bn, conv)
-            ok = same_meta(val_of(new_conv), val_of(out))
+            ok = same_meta(val_of(new_conv), val_of(outs[0]))
         except Exception:  # fake execution refused something (odd dtypes, devices): keep as is
             ok = False
         if not ok:
             _erase_between(graph, marker, bn)
             continue
-        out.replace_all_uses_with(new_conv)
+        for out in outs:
+            out.replace_all_uses_with(new_conv)
         for n in [*bn.users, bn, conv]:  # getitems, then the bn, then the conv: all dead now
             if not n.users:
                 graph.erase_node(n)

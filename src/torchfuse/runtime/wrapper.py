@@ -84,6 +84,17 @@ class WrapperBuilder:
                 else f"int(in{pos})"
             L.append(f"    {sym_name} = {src}")
         L.append("    args.clear()")
+        for i, (_, val) in enumerate(p.inputs):
+            if isinstance(val, torch.Tensor) and val.ndim > 0:
+                # Kernels index inputs with the strides they were traced with; Dynamo guards user
+                # inputs, but tensors handed over between graphs (saved for backward) may differ.
+                sizes, strides, _, _ = p.buffer_meta[f"in{i}"]
+                dims = [d for d, s in enumerate(sizes) if not (s.op == "const" and s.arg == 1)]
+                if not dims:
+                    continue
+                got = "(" + "".join(f"in{i}.stride({d}), " for d in dims) + ")"
+                want = _tuple([strides[d] for d in dims])
+                L.append(f"    if {got} != {want}: in{i} = _restride(in{i}, {_tuple(sizes)}, {_tuple(strides)})")
         last_use = self._last_uses()
         for pos, item in enumerate(self.items):
             if isinstance(item, Kernel):

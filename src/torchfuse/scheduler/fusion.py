@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..ir.buffers import AliasView, BufferRef, ComputedBuffer, FallbackCall, LoweredGraph
-from ..ir.nodes import Node, loads, substitute, to_text, var
+from ..ir.nodes import Node, const, loads, substitute, to_text, var
 
 log = logging.getLogger("torchfuse.fusion")
 
@@ -74,13 +74,28 @@ class Schedule:
         return "\n".join(out)
 
 
+def squeeze(sizes: tuple[Node, ...]) -> tuple[Node, ...]:
+    """Loop sizes without the size-1 dims, which never change an index."""
+    return tuple(s for s in sizes if not (s.op == "const" and s.arg == 1))
+
+
 def _rename(buf: ComputedBuffer, outer_len: int, role: str) -> tuple[Node, Node]:
-    """Rewrite a buffer's vars (i*, r*) into kernel vars (x* outer, y* inner)."""
+    """Rewrite a buffer's vars (i*, r*) into kernel vars (x* outer, y* inner); size-1 dims -> 0."""
     mapping: dict[Node, Node] = {}
-    for k in range(len(buf.ranges)):
-        mapping[var(f"i{k}")] = var(f"x{k}") if k < outer_len else var(f"y{k - outer_len}")
-    for k in range(len(buf.reduction_ranges)):
-        mapping[var(f"r{k}")] = var(f"y{k}")
+    pos = 0
+    for k, size in enumerate(buf.ranges):
+        if size.op == "const" and size.arg == 1:
+            mapping[var(f"i{k}")] = const(0)
+            continue
+        mapping[var(f"i{k}")] = var(f"x{pos}") if pos < outer_len else var(f"y{pos - outer_len}")
+        pos += 1
+    pos = 0
+    for k, size in enumerate(buf.reduction_ranges):
+        if size.op == "const" and size.arg == 1:
+            mapping[var(f"r{k}")] = const(0)
+            continue
+        mapping[var(f"r{k}")] = var(f"y{pos}")
+        pos += 1
     return substitute(buf.body, mapping), substitute(buf.store_index(), mapping)
 
 
@@ -88,21 +103,21 @@ def _role(kernel: Kernel, buf: ComputedBuffer) -> tuple[str | None, str]:
     """How `buf` would sit in `kernel`'s loops, or None and the reason it cannot."""
     if buf.is_reduction:
         if kernel.inner == () and kernel.kind == "pointwise":
-            if kernel.outer == buf.ranges + buf.reduction_ranges:
+            if kernel.outer == squeeze(buf.ranges + buf.reduction_ranges):
                 return "reduce", ""     # the pointwise kernel becomes this reduction's prologue
             return None, f"reduction over [{_fmt(buf.reduction_ranges)}] of [{_fmt(buf.ranges)}] " \
                          f"does not tile pointwise loops [{_fmt(kernel.outer)}]"
-        if buf.ranges == kernel.outer and buf.reduction_ranges == kernel.inner:
+        if squeeze(buf.ranges) == kernel.outer and squeeze(buf.reduction_ranges) == kernel.inner:
             return "reduce", ""
         return None, f"reduction loops [{_fmt(buf.ranges)}]x[{_fmt(buf.reduction_ranges)}] differ from " \
                      f"[{_fmt(kernel.outer)}]x[{_fmt(kernel.inner)}]"
     if kernel.inner == ():
-        if buf.ranges == kernel.outer:
+        if squeeze(buf.ranges) == kernel.outer:
             return "pointwise", ""
         return None, f"iteration space [{_fmt(buf.ranges)}] differs from [{_fmt(kernel.outer)}]"
-    if buf.ranges == kernel.outer + kernel.inner:
+    if squeeze(buf.ranges) == kernel.outer + kernel.inner:
         return "inner", ""
-    if buf.ranges == kernel.outer:
+    if squeeze(buf.ranges) == kernel.outer:
         return "outer", ""
     return None, f"iteration space [{_fmt(buf.ranges)}] matches neither rows [{_fmt(kernel.outer)}] nor " \
                  f"rows x reduced [{_fmt(kernel.outer + kernel.inner)}]"
@@ -114,9 +129,9 @@ def _fmt(sizes: tuple[Node, ...]) -> str:
 
 def _as_reduction_kernel(kernel: Kernel, buf: ComputedBuffer) -> Kernel:
     """Re-tile a pointwise kernel over outer+inner so a reduction over `inner` can join it."""
-    new = Kernel(kernel.name, buf.ranges, buf.reduction_ranges)
+    new = Kernel(kernel.name, squeeze(buf.ranges), squeeze(buf.reduction_ranges))
     for m in kernel.members:
-        body, store = _rename(m.buffer, len(buf.ranges), "inner")
+        body, store = _rename(m.buffer, len(new.outer), "inner")
         new.members.append(Member(m.buffer, "inner", body, store))
     return new
 
@@ -157,7 +172,7 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
         if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
             role, reason = _role(current, step)
             candidate = current
-            if role == "reduce" and current.inner == () and not step.ranges == current.outer:
+            if role == "reduce" and current.inner == () and not squeeze(step.ranges) == current.outer:
                 candidate = _as_reduction_kernel(current, step)
             if role is not None:
                 body, store = _rename(step, len(candidate.outer), role)
@@ -174,7 +189,7 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
             refused.append(f"{step.name} not fused into {current.name}: "
                            + ("fusion disabled" if not config.fuse else "kernel size limit"))
         close()
-        current = Kernel(f"kernel{count}", step.ranges, step.reduction_ranges)
+        current = Kernel(f"kernel{count}", squeeze(step.ranges), squeeze(step.reduction_ranges))
         count += 1
         role = "reduce" if step.is_reduction else "pointwise"
         body, store = _rename(step, len(step.ranges), role)

@@ -1,0 +1,178 @@
+"""Shared test setup for torchfuse.
+
+* One kernel cache directory per test *session* (TORCHFUSE_CACHE_DIR, set before anything
+  compiles), so identical graphs built by several tests are built once, and the user's own
+  cache is never touched.
+* Dynamo's caches are reset around every test, so a test never runs a graph compiled by another
+  test (or with other options).
+* `tf`: helpers that compile with torchfuse and compare against eager PyTorch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Mapping
+
+import pytest
+import torch
+
+import torchfuse
+from torchfuse import counters
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torchfuse_cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A fresh kernel cache for this session (Config reads the variable when it is built)."""
+    old = os.environ.get("TORCHFUSE_CACHE_DIR")
+    os.environ["TORCHFUSE_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchfuse_cache"))
+    yield
+    if old is None:
+        os.environ.pop("TORCHFUSE_CACHE_DIR", None)
+    else:
+        os.environ["TORCHFUSE_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------
+# comparison helpers
+# ----------------------------------------------------------------------------------------------
+
+# (atol, rtol) per dtype; integers and bools are compared exactly.
+TOL = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def flatten(x: Any) -> list[Any]:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in flatten(item)]
+    return [x]
+
+
+def assert_same(actual: Any, expected: Any, *, atol: float | None = None, rtol: float | None = None,
+                check_stride: bool = False, signed_zeros: bool = False, what: str = "") -> None:
+    """torchfuse's outputs equal eager's: structure, shape, dtype, then values (NaN == NaN)."""
+    act, exp = flatten(actual), flatten(expected)
+    assert len(act) == len(exp), f"{what}: {len(act)} outputs, eager has {len(exp)}"
+    for k, (a, e) in enumerate(zip(act, exp)):
+        label = f"{what}output {k}"
+        if not isinstance(e, torch.Tensor):
+            assert not isinstance(a, torch.Tensor) or a.numel() == 1, label
+            assert a == e or (a != a and e != e), f"{label}: {a!r} != {e!r}"
+            continue
+        assert isinstance(a, torch.Tensor), f"{label}: got {type(a)}"
+        assert a.shape == e.shape, f"{label}: shape {tuple(a.shape)} != eager {tuple(e.shape)}"
+        assert a.dtype == e.dtype, f"{label}: dtype {a.dtype} != eager {e.dtype}"
+        if check_stride and e.numel() > 1:
+            assert a.stride() == e.stride(), f"{label}: stride {a.stride()} != eager {e.stride()}"
+        if e.dtype.is_floating_point:
+            d_atol, d_rtol = TOL.get(e.dtype, (1e-5, 1e-5))
+            torch.testing.assert_close(a, e, atol=d_atol if atol is None else atol,
+                                       rtol=d_rtol if rtol is None else rtol, equal_nan=True,
+                                       msg=lambda m: f"{label}: {m}")
+            if signed_zeros:
+                zeros = e == 0
+                assert torch.equal(a[zeros].signbit(), e[zeros].signbit()), f"{label}: sign of zero differs"
+        else:
+            torch.testing.assert_close(a, e, atol=0, rtol=0, msg=lambda m: f"{label}: {m}")
+
+
+# ----------------------------------------------------------------------------------------------
+# input factories
+# ----------------------------------------------------------------------------------------------
+
+def rand(shape: Iterable[int], dtype: torch.dtype = torch.float32, *, low: float = -3.0, high: float = 3.0,
+         nonzero: bool = True, gen: torch.Generator | None = None) -> torch.Tensor:
+    """Random data of any dtype, never exactly zero (unless `nonzero=False`)."""
+    shape = tuple(shape)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        x = torch.empty(shape, dtype=torch.float64).uniform_(low, high, generator=gen)
+        if nonzero:
+            x = torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x)
+        return x.to(dtype)
+    lo, hi = int(low), int(high) + 1
+    x = torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64)
+    if nonzero:
+        x = torch.where(x == 0, torch.ones_like(x), x)
+    return x.to(dtype)
+
+
+def layouts(dtype: torch.dtype = torch.float32, *, low: float = -3.0, high: float = 3.0,
+            nonzero: bool = True) -> dict[str, torch.Tensor]:
+    """The same op checked on: contiguous odd sizes, transposed, step-sliced, 3-d with a size-1
+    dim, 0-d, and empty."""
+    r = lambda *s: rand(s, dtype, low=low, high=high, nonzero=nonzero)  # noqa: E731
+    return {
+        "contig": r(7, 13),
+        "transposed": r(13, 7).t(),
+        "sliced": r(9, 26)[1::2, ::3],
+        "size1": r(3, 1, 11),
+        "scalar": r(),
+        "empty": r(0, 5),
+    }
+
+
+
+class TF:
+    """Compile with torchfuse, run once, compare with eager; see `check`."""
+
+    TOL = TOL
+    assert_same = staticmethod(assert_same)
+    flatten = staticmethod(flatten)
+    rand = staticmethod(rand)
+    layouts = staticmethod(layouts)
+    LAYOUTS = ("contig", "transposed", "sliced", "size1", "scalar", "empty")
+
+    @staticmethod
+    def explain(fn: Callable, *args: Any, options: Mapping[str, Any] | None = None) -> torchfuse.Explanation:
+        """torchfuse.explain in strict mode (a C++ build error raises instead of running eagerly),
+        and the whole graph must have gone through torchfuse (no silent eager fallback)."""
+        opts = {"strict": True, **dict(options or {})}
+        before = counters["eager_fallbacks"]
+        e = torchfuse.explain(fn, *args, options=opts)
+        assert counters["eager_fallbacks"] == before, "the graph ran eagerly instead of through torchfuse"
+        return e
+
+    @classmethod
+    def check(cls, fn: Callable, *args: Any, options: Mapping[str, Any] | None = None,
+              allow_fallbacks: Iterable[str] = (), kernels: int | None = None, min_kernels: int = 1,
+              atol: float | None = None, rtol: float | None = None, check_stride: bool = False,
+              signed_zeros: bool = False) -> torchfuse.Explanation:
+        """Run `fn` through torchfuse and eagerly on the same inputs and compare the outputs.
+
+        Every op must have been lowered (ATen fallbacks only for the ops in `allow_fallbacks`) and at
+        least `min_kernels` kernels generated (exactly `kernels` if given), so that a test cannot pass
+        by running eager code on both sides.
+        """
+        expected = fn(*args)
+        e = cls.explain(fn, *args, options=options)
+        allowed = set(allow_fallbacks)
+        bad = [f"{f.op} ({f.reason})" for f in e.fallbacks if f.op not in allowed]
+        assert not bad, f"unexpected ATen fallbacks: {bad}\n{e}"
+        if kernels is not None:
+            assert len(e.kernels) == kernels, f"expected {kernels} kernel(s), got {len(e.kernels)}\n{e}"
+        else:
+            assert len(e.kernels) >= min_kernels, f"expected at least {min_kernels} kernel(s)\n{e}"
+        assert_same(e.output, expected, atol=atol, rtol=rtol, check_stride=check_stride,
+                    signed_zeros=signed_zeros)
+        return e
+
+
+@pytest.fixture
+def tf() -> type[TF]:
+    return TF
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
