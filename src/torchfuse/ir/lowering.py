@@ -103,26 +103,46 @@ def shape_of(t: torch.Tensor) -> tuple[Node, ...]:
     return tuple(sym_to_node(s) for s in t.shape)
 
 
+def _hint(x: Any) -> int:
+    """A concrete value for ordering only; reading it installs no Dynamo guard."""
+    if isinstance(x, torch.SymInt):
+        h = x.node.hint
+        return int(h) if h is not None else 0
+    return int(x)
+
+
 def is_dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: every element has its own slot and no slot is unused."""
+    """Non-overlapping and dense: every element has its own slot and no slot is unused.
+
+    Decided structurally on our own index nodes (dims ordered by stride hints), so symbolic
+    sizes are never specialized (no Dynamo guard is installed) by the check.
+    """
     try:
-        return bool(torch._prims_common.is_non_overlapping_and_dense(t))
-    except Exception:
+        layout = layout_of(t)
+    except Unsupported:
         return False
+    order = sorted(range(t.ndim), key=lambda d: (_hint(t.stride()[d]), _hint(t.shape[d])))
+    expected: Node = const(1)
+    for d in order:
+        size = layout.sizes[d]
+        if size.op == "const" and size.arg == 1:
+            continue
+        if layout.strides[d] != expected:
+            return False
+        expected = expected * size
+    return True
 
 
 def is_non_overlapping(t: torch.Tensor) -> bool:
-    """No two elements share a slot (concrete sizes only); gaps are allowed."""
-    try:
-        dims = sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride()) if int(sz) > 1)
-    except Exception:
+    """No two elements share a slot; gaps are allowed.  Concrete sizes only (else False)."""
+    if any(isinstance(v, torch.SymInt) and v.node.maybe_as_int() is None for v in (*t.shape, *t.stride())):
         return False
+    dims = sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride()) if int(sz) > 1)
     span = 1
     for st, sz in dims:
         if st < span:
             return False
-        span = st * (sz - 1) + 1 if st else span
-        span = max(span, st * sz)
+        span = st * sz
     return True
 
 

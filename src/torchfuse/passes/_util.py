@@ -33,6 +33,10 @@ EMPTY_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
 # Ops whose result shares storage with their input although the schema does not say so.
 _UNANNOTATED_VIEWS = {"_unsafe_view"}
 _PURE_MODULES = {"_operator", "operator", "math"}
+# Checks whose only effect is to raise: removing an unused one would drop the check.
+_ASSERT_PREFIXES = ("_assert", "_functional_assert", "sym_constrain_range", "_functional_sym_constrain",
+                    "_print", "record_stream")
+_FX_SIDE_EFFECTS = getattr(fx.node, "_side_effectful_functions", set())
 
 
 def op_name(target: Any) -> str:
@@ -51,7 +55,8 @@ def _op_impure(op: torch._ops.OpOverload, node: fx.Node) -> bool:
     """Argument-independent impurity of an op; cached in _OP_IMPURE (asked for every node).
     fx's `node.is_impure()` looks only at the target for an OpOverload."""
     maybe_mutating = getattr(torch.Tag, "maybe_aliasing_or_mutating", None)
-    return (op._schema.is_mutable or _op_random(op) or node.is_impure()  # fx: asserts, effects
+    return (op._schema.is_mutable or _op_random(op) or node.is_impure()  # fx: effects
+            or op_name(op).startswith(_ASSERT_PREFIXES)
             or (maybe_mutating is not None and maybe_mutating in op.tags)
             or op.namespace in ("_c10d_functional", "c10d_functional"))  # collectives / waits
 
@@ -71,6 +76,8 @@ def is_impure(node: fx.Node) -> bool:
     t = node.target
     if t is operator.getitem:
         return False
+    if t in _FX_SIDE_EFFECTS:  # operator.setitem, torch._assert, autocast enter/exit, ...
+        return True
     if isinstance(t, torch._ops.OpOverload):
         if t not in _OP_IMPURE:
             _OP_IMPURE[t] = _op_impure(t, node)
