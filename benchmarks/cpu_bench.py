@@ -309,8 +309,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of timing per (workload, size); default 0.5 with --quick, else 3")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads(N) before anything is compiled (default: torch's default)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of compiler errors")
     a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     selected = WORKLOADS
     if a.only:
@@ -355,8 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if a.out:
         with open(a.out, "w") as f:
-            f.write(f"<!-- python benchmarks/cpu_bench.py{' --quick' if a.quick else ''}"
-                    f"{' --only ' + a.only if a.only else ''} -->\n")
+            f.write(f"<!-- python benchmarks/cpu_bench.py {' '.join(sys.argv[1:] if argv is None else argv)} -->\n")
             f.write(f"<!-- {machine_line()} -->\n\n")
             f.write(table + "\n")
         print(f"\nwrote {a.out}")

@@ -51,7 +51,7 @@ def build_model() -> tuple[nn.Module, str]:
         print(f"(transformers unavailable: {e!r}; using a hand-written model instead)")
         return TinyModel().eval(), "hand-written MLP + LayerNorm + softmax model"
     cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
-                     use_cache=False)
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(cfg).eval()
     return model, "GPT-2 (transformers), n_layer=2, n_embd=128, n_head=4, vocab=1000, random weights"
 

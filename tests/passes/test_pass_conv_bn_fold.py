@@ -8,7 +8,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from _passes_helpers import count, run, trace
-from torchfuse.passes._util import create_node
+from torchfuse.passes._meta import create_node
 
 aten = torch.ops.aten
 BN_OPS = [aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default,

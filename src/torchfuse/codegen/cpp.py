@@ -62,7 +62,7 @@ static inline float tf_round_bf16(float f) { return tf_bf16_to_float(tf_float_to
 
 template <typename T> static inline T tf_max(T a, T b) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; if (b != b) return b; } return a > b ? a : b; }
 template <typename T> static inline T tf_min(T a, T b) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; if (b != b) return b; } return a < b ? a : b; }
-template <typename T> static inline T tf_sign(T a) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; } return (T)((T(0) < a) - (a < T(0))); }
+template <typename T> static inline T tf_sign(T a) { return (T)((T(0) < a) - (a < T(0))); }   // sign(NaN) = 0, as eager
 template <typename T> static inline T tf_floordiv(T a, T b) {
   if constexpr (std::is_floating_point<T>::value) {
     if (b == 0) return a / b;
@@ -198,9 +198,12 @@ class Emitter:
     def _expr(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
         if o == "load":
-            raw = f"{n.arg}[{self.index(a[0])}]"
+            local = next((scope[(n.arg, a[0])] for scope in reversed(self.locals) if (n.arg, a[0]) in scope), None)
+            raw = f"{n.arg}[{self.index(a[0])}]" if local is None else local
             sdt = self.buffers[n.arg]
-            if sdt == torch.float16:
+            if local is not None:
+                pass                  # a value of this kernel, already computed (and maybe never stored)
+            elif sdt == torch.float16:
                 raw = f"tf_half_to_float({raw})"
             elif sdt == torch.bfloat16:
                 raw = f"tf_bf16_to_float({raw})"

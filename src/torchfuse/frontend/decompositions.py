@@ -26,10 +26,11 @@ DECOMPOSE = [
     aten.leaky_relu, aten.leaky_relu_backward, aten.elu, aten.elu_backward, aten.hardsigmoid,
     aten.hardsigmoid_backward, aten.hardswish, aten.hardswish_backward, aten.hardtanh_backward,
     aten.softplus, aten.softplus_backward, aten.threshold, aten.glu, aten.glu_backward, aten.logit,
-    aten.celu, aten.selu, aten.relu6, aten.prelu,
+    aten.celu, aten.selu, aten.relu6, aten.prelu, aten.log_sigmoid_forward,
     # elementwise helpers
     aten.addcmul, aten.addcdiv, aten.lerp, aten.xlogy, aten.clamp_min, aten.clamp_max, aten.rsub,
-    aten.triu, aten.tril, aten.masked_fill, aten.square, aten.logaddexp, aten.hypot,
+    aten.triu, aten.tril, aten.masked_fill, aten.square, aten.logaddexp, aten.hypot, aten.nan_to_num,
+    aten.zero,
     # losses
     aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss, aten.mse_loss_backward,
     aten.binary_cross_entropy, aten.binary_cross_entropy_backward, aten.smooth_l1_loss, aten.huber_loss,

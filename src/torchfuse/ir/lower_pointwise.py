@@ -204,9 +204,10 @@ for _target, _name in ((aten.logical_and, "and"), (aten.logical_or, "or"), (aten
     register(_target.default)(_make_logical(_name))
 
 
-@register(aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor)
+@register(aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.__lshift__, aten.__rshift__)
 def _dunder_bitwise(lw, a, b):
-    name = {"__and__": "bitand", "__or__": "bitor", "__xor__": "bitxor"}[lw.current.target._opname]
+    name = {"__and__": "bitand", "__or__": "bitor", "__xor__": "bitxor", "__lshift__": "lshift",
+            "__rshift__": "rshift"}[lw.current.target._opname]
     return _binary(name)(lw, a, b)
 
 
@@ -242,6 +243,11 @@ def _div_mode(lw, a, b, *, rounding_mode=None):
     if rounding_mode is None:
         return _div(lw, a, b)
     compute = upcast(promoted_dtype([a, b]))
+    out = lw.out_dtype()
+    if rounding_mode == "trunc" and out in LOW_PRECISION:
+        # eager rounds the fp16/bf16 quotient to its dtype before truncating it
+        return pointwise(lw, [a, b], lambda x, y: op("trunc", cast(cast(op("truediv", x, y, dtype=x.dtype), out),
+                                                                    x.dtype), dtype=x.dtype), compute=compute)
     name = "pyfloordiv" if rounding_mode == "floor" else "truncdiv"
     return pointwise(lw, [a, b], lambda x, y: op(name, x, y, dtype=x.dtype), compute=compute)
 
@@ -480,6 +486,7 @@ def _prims_div(lw, a, b):
 for _name in ("add", "sub", "mul", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge", "atan2", "fmod",
               "remainder", "pow"):
     register(getattr(prims, _name).default)(_binary(_name))
+register(prims.hypot.default)(_binary("hypot"))
 for _name in ("exp", "log", "sqrt", "rsqrt", "tanh", "sin", "cos", "erf", "log1p", "expm1"):
     register(getattr(prims, _name).default)(_float_unary(_name))
 register(prims.neg.default)(_neg)

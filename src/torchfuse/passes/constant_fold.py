@@ -24,8 +24,9 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from ._util import (EMPTY_OPS, alias_input, alias_tree, fake_mode_of, flat_nodes, has_symbols,
-                    is_impure, is_written, op_name, output_values, same_seq)
+from ._meta import fake_mode_of, has_symbols, same_seq
+from ._util import (EMPTY_OPS, alias_input, alias_tree, flat_nodes, is_impure, is_written, op_name,
+                    output_values)
 from .context import PassContext
 
 MAX_NUMEL = 1024

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._util import create_node, same_meta, same_seq, val_of
+from ._meta import create_node, same_meta, same_seq, val_of
 from .context import PassContext
 
 aten, prims = torch.ops.aten, torch.ops.prims

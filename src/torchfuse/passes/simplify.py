@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ._util import (can_forward, const_value, create_node, is_impure, is_neg_zero, same_meta,
-                    same_seq, val_of)
+from ._meta import const_value, create_node, is_neg_zero, same_meta, same_seq, val_of
+from ._util import can_forward, is_impure
 from .context import PassContext
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -154,6 +154,7 @@ _FLOAT_WIDENINGS = {(torch.float16, torch.float32), (torch.float16, torch.float6
                     (torch.bfloat16, torch.float32), (torch.bfloat16, torch.float64),
                     (torch.float32, torch.float64)}
 _MANTISSA_DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+_INT_TYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
 def widens_exactly(src: torch.dtype, mid: torch.dtype) -> bool:
@@ -171,9 +172,6 @@ def widens_exactly(src: torch.dtype, mid: torch.dtype) -> bool:
         digits = _MANTISSA_DIGITS.get(mid)
         return digits is not None and max(hi, -lo) <= 2 ** digits
     return torch.iinfo(mid).min <= lo and hi <= torch.iinfo(mid).max
-
-
-_INT_TYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 
 
 def cast_round_trip(node: fx.Node) -> fx.Node | None:
@@ -217,16 +215,13 @@ def view_of_view(node: fx.Node) -> New | None:
 
 
 def _contiguous(t: torch.Tensor) -> bool:
-    expected = 1
+    """Row-major contiguity decided structurally (t.is_contiguous() may guard on symbols)."""
+    expected: Any = 1
     for size, stride in reversed(list(zip(t.shape, t.stride()))):
-        if not sym_one(size) and not same_seq([stride], [expected]):
+        if not same_seq([size], [1]) and not same_seq([stride], [expected]):
             return False
         expected = expected * size
     return True
-
-
-def sym_one(s: Any) -> bool:
-    return same_seq([s], [1])
 
 
 def clone_single_use(node: fx.Node) -> fx.Node | None:
@@ -271,16 +266,14 @@ def simplify(gm: fx.GraphModule, ctx: PassContext) -> int:
     graph, changes = gm.graph, 0
     for _ in range(_MAX_SWEEPS):
         before = changes
-        erased: set[fx.Node] = set()
+        # Nodes are visited producers first, so a rewrite usually enables the next one within
+        # the same sweep; a rewrite erases only the node being visited, never a later one.
         for node in list(graph.nodes):
-            if node in erased or node.op != "call_function" or node.target is operator.getitem:
-                continue
-            if is_impure(node):
+            if node.op != "call_function" or node.target is operator.getitem or is_impure(node):
                 continue
             for rule in RULES:
                 rw = rule(node)
                 if rw is not None and _apply(graph, node, rw):
-                    erased.add(node)
                     changes += 1
                     break
         if changes == before:

@@ -6,6 +6,7 @@ Every stage can be written to the debug folder as text.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import time
 import warnings
@@ -81,51 +82,114 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     for node, op, reason in fallbacks:
         log.debug("%s: %s runs through ATen: %s", graph_name, op, reason)
 
-    from ..codegen import cpp
-    from ..runtime.cpp_build import CompileError, load_library
-    from ..runtime.wrapper import WrapperBuilder, make_callable
+    from ..runtime.wrapper import WrapperBuilder, make_callable, py_index
 
     readers = buffer_readers(sched, program)
     dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
-    sources, kernel_args, stored, infos = [], {}, set(), []
-    for kernel in sched.kernels:
-        plan = plan_loops(kernel, readers)
-        src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
-        sources.append(src)
-        kernel_args[kernel.name] = (bufs, syms)
-        stored |= plan.stored
-        infos.append(KernelInfo(kernel.name, "cpp", src, [f"{o}" for o in kernel.origins], kernel.kind))
+    device = program_device(program)
+    backend = "triton" if device == "cuda" else config.cpu_backend
+    plans = [plan_loops(kernel, readers) for kernel in sched.kernels]
+    stored = set().union(*(p.stored for p in plans)) if plans else set()
+    kernel_args: dict[str, tuple[list[str], list[str]]] = {}
+    kernel_calls: dict[str, str] = {}
+    sources, infos = [], []
+    try:
+        for plan in plans:
+            kernel = plan.kernel
+            if backend == "triton":
+                from ..codegen import triton as tgen
+                src, bufs, syms = tgen.kernel_source(plan, dtypes)
+                xnumel = py_index(_product(plan.outer))
+                if kernel.kind == "pointwise":
+                    kernel_calls[kernel.name] = f"_launch_pointwise({kernel.name}, {xnumel}, {', '.join(bufs + syms)})"
+                else:
+                    rnumel = py_index(_product(plan.inner))
+                    kernel_calls[kernel.name] = (f"_launch_reduction({kernel.name}_persistent, {kernel.name}_looped, "
+                                                 f"{xnumel}, {rnumel}, {', '.join(bufs + syms)})")
+            else:
+                from ..codegen import cpp
+                src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
+            sources.append(src)
+            kernel_args[kernel.name] = (bufs, syms)
+            infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind))
+    except NotImplementedError as e:
+        if config.strict:
+            raise
+        warnings.warn(f"torchfuse: {graph_name} runs eagerly: code generation failed: {e}")
+        counters.bump("eager_fallbacks")
+        return _eager(gm)
     counters.bump("kernels_generated", len(sources))
-    unit = cpp.translation_unit(sources)
-    debug.write("kernels.cpp", unit)
-    builder = WrapperBuilder(program, sched.items, kernel_args, stored)
+    builder = WrapperBuilder(program, sched.items, kernel_args, stored, kernel_calls)
     wrapper_src = builder.build()
     debug.write("wrapper.py", wrapper_src)
     if report is not None:
         report.kernels += infos
         report.fallbacks += [FallbackInfo(n, op, reason) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
-    kernels: dict[str, Callable] = {}
-    if sources:
-        try:
-            lib = load_library(unit, config)
-        except CompileError as e:
-            if config.strict:
-                raise
-            warnings.warn(f"torchfuse: building the kernels of {graph_name} failed, so this graph runs "
-                          f"eagerly (set options={{'strict': True}} to raise instead).\n{e}")
-            counters.bump("eager_fallbacks")
-            return _eager(gm)
-        lib.tf_set_num_threads(config.num_threads or torch.get_num_threads())
-        for name in kernel_args:
-            kernels[name] = getattr(lib, name)
-            _set_argtypes(kernels[name], kernel_args[name])
+    try:
+        kernels = _build(backend, sources, kernel_args, config, debug)
+    except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
+        if config.strict:
+            raise
+        warnings.warn(f"torchfuse: building the kernels of {graph_name} failed, so this graph runs "
+                      f"eagerly (set options={{'strict': True}} to raise instead).\n{e}")
+        counters.bump("eager_fallbacks")
+        return _eager(gm)
     call = make_callable(wrapper_src, builder.globals, kernels)
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # keep the library alive as long as the callable
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
+
+
+def program_device(program) -> str:
+    for _, val in program.inputs:
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    for meta in program.buffer_meta.values():
+        if meta[3] is not None:
+            return torch.device(meta[3]).type
+    return "cpu"
+
+
+def _product(sizes):
+    from ..ir.nodes import const
+    out = const(1)
+    for s in sizes:
+        out = out * s
+    return out
+
+
+def _build(backend: str, sources: list[str], kernel_args: dict, config: Config, debug: DebugWriter) -> dict:
+    """Compile all kernels of a graph (one C++ translation unit / one Triton module)."""
+    kernels: dict[str, Any] = {}
+    if not sources:
+        return kernels
+    if backend == "triton":
+        from ..codegen.triton import module_source
+        from .triton_launch import ensure_interpreter_if_cpu, launch_pointwise, launch_reduction, load_module
+        ensure_interpreter_if_cpu("cpu" if config.cpu_backend == "triton" else "cuda")
+        module_src = module_source(sources, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
+        debug.write("kernels_triton.py", module_src)
+        module = load_module(module_src, config)
+        for name in kernel_args:
+            for variant in (name, f"{name}_persistent", f"{name}_looped"):
+                if hasattr(module, variant):
+                    kernels[variant] = getattr(module, variant)
+        kernels["_launch_pointwise"] = launch_pointwise
+        kernels["_launch_reduction"] = launch_reduction
+        return kernels
+    from ..codegen import cpp
+    from .cpp_build import load_library
+    unit = cpp.translation_unit(sources)
+    debug.write("kernels.cpp", unit)
+    lib = load_library(unit, config)
+    lib.tf_set_num_threads(config.num_threads or torch.get_num_threads())
+    for name in kernel_args:
+        kernels[name] = getattr(lib, name)
+        _set_argtypes(kernels[name], kernel_args[name])
+    return kernels
 
 
 def _set_argtypes(fn: Any, args: tuple[list[str], list[str]]) -> None:

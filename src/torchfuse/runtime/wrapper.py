@@ -39,10 +39,11 @@ def _tuple(nodes) -> str:
 
 class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
-                 stored: set[str]):
+                 stored: set[str], kernel_calls: dict[str, str] | None = None):
         self.program = program
         self.items = items
         self.kernel_args = kernel_args
+        self.kernel_calls = kernel_calls or {}
         self.stored = stored
         self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten}
         self.lines: list[str] = []
@@ -102,8 +103,11 @@ class WrapperBuilder:
                 for m in item.members:
                     if m.buffer.name in self.stored:
                         self._alloc(m.buffer.name)
-                call_args = [f"{b}.data_ptr()" for b in bufs] + list(syms)
-                L.append(f"    {item.name}({', '.join(call_args)})")
+                if item.name in self.kernel_calls:
+                    L.append(f"    {self.kernel_calls[item.name]}")
+                else:
+                    call_args = [f"{b}.data_ptr()" for b in bufs] + list(syms)
+                    L.append(f"    {item.name}({', '.join(call_args)})")
             elif isinstance(item, AliasView):
                 L.append(f"    {item.name} = {self.view(item.base, item.layout)}")
             elif isinstance(item, FallbackCall):

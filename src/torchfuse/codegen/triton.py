@@ -1,0 +1,507 @@
+"""Triton code generation: the same fused kernels (LoopPlan) as Triton JIT functions.
+
+Pointwise kernels are flat 1-D blocks over the merged loop nest.  Reduction kernels are 2-D
+tiles [XBLOCK rows, RBLOCK reduced elements] and come in two variants in one module:
+  persistent  the whole row is one tile: every stage reads the row from registers, so a softmax
+              or layer norm loads its input exactly once;
+  looped      rows longer than the persistent limit are walked in RBLOCK chunks per stage.
+The wrapper picks the variant and block sizes at run time from the actual sizes, so kernels are
+shape-generic.  fp16/bf16 are computed in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ir.nodes import INDEX, Node, free_syms, to_text, walk
+from ..scheduler.loops import LoopPlan
+
+TL = {
+    torch.float32: "tl.float32", torch.float64: "tl.float64", torch.float16: "tl.float32",
+    torch.bfloat16: "tl.float32", torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
+    torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
+}
+STORE_TL = {**TL, torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+
+HEADER_GPU = '''import triton
+import triton.language as tl
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # older Triton
+    from triton.language.extra.cuda import libdevice
+'''
+
+# Triton's interpreter (CPU, used by CI) cannot call libdevice; these stand-ins are built from
+# the core ops it does run.  They are only as accurate as a correctness check needs.
+HEADER_INTERPRETER = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _expm1(x):
+    return tl.where(tl.abs(x) < 1e-5, x + 0.5 * x * x, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _log1p(x):
+    return tl.where(tl.abs(x) < 1e-4, x - 0.5 * x * x + x * x * x / 3.0, tl.log(1.0 + x))
+
+
+@triton.jit
+def _trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def _nearbyint(x):
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fmod(a, b):
+    q = a / b
+    q = tl.where(q < 0, tl.ceil(q), tl.floor(q))
+    return a - q * b
+
+
+@triton.jit
+def _pow(a, b):
+    mag = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_int = tl.floor(b) == b
+    b_odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) != 0)
+    r = tl.where((a < 0) & b_odd, -mag, mag)
+    r = tl.where((a < 0) & (~b_int), float("nan"), r)
+    return tl.where(b == 0, 1.0, r)
+
+
+class libdevice:
+    tanh = _tanh
+    expm1 = _expm1
+    log1p = _log1p
+    trunc = _trunc
+    nearbyint = _nearbyint
+    fmod = _fmod
+    pow = _pow
+'''
+INTERPRETER_LIBDEVICE = {"tanh", "expm1", "log1p", "trunc", "nearbyint", "fmod", "pow"}
+
+HEADER_COMMON = '''
+
+INF: tl.constexpr = float("inf")
+NAN: tl.constexpr = float("nan")
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.where((a != a) | (a > b), a, tl.where(b != b, b, b))
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where((a != a) | (a < b), a, tl.where(b != b, b, b))
+'''
+
+_LIBDEVICE = {
+    "expm1": "libdevice.expm1",
+    "log1p": "libdevice.log1p", "tan": "libdevice.tan", "asin": "libdevice.asin", "acos": "libdevice.acos",
+    "atan": "libdevice.atan", "sinh": "libdevice.sinh", "cosh": "libdevice.cosh", "tanh": "libdevice.tanh",
+    "asinh": "libdevice.asinh", "acosh": "libdevice.acosh", "atanh": "libdevice.atanh",
+    "lgamma": "libdevice.lgamma", "round": "libdevice.nearbyint", "trunc": "libdevice.trunc",
+    "signbit": "libdevice.signbit", "atan2": "libdevice.atan2", "copysign": "libdevice.copysign",
+    "hypot": "libdevice.hypot", "nextafter": "libdevice.nextafter",
+    "fmod": "libdevice.fmod",
+}
+_CORE = {"exp": "tl.exp", "exp2": "tl.exp2", "log2": "tl.log2", "log": "tl.log", "sqrt": "tl.sqrt", "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf",
+         "floor": "tl.floor", "ceil": "tl.ceil", "sigmoid": "tl.sigmoid", "rsqrt": "tl.rsqrt"}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+          "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^", "bitand": "&", "bitor": "|", "bitxor": "^",
+          "lshift": "<<", "rshift": ">>"}
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return f"tl.full([1], {1 if value else 0}, tl.int1)"
+    if dtype.is_floating_point:
+        if math.isnan(value):
+            v = "NAN"
+        elif math.isinf(value):
+            v = "INF" if value > 0 else "-INF"
+        else:
+            v = repr(float(value))
+        return f"tl.full([1], {v}, {TL[dtype]})"
+    return f"tl.full([1], {int(value)}, {TL[dtype]})"
+
+
+class TritonEmitter:
+    def __init__(self, buffers: dict[str, torch.dtype], indent: int = 1):
+        self.buffers = buffers
+        self.lines: list[str] = []
+        self.indent = indent
+        self.scopes: list[dict[Node, str]] = [{}]
+        self.locals: list[dict[tuple[str, Node], str]] = [{}]
+        self.count = 0
+        self.mask = "None"
+        self.interpreter = _interpreting()
+
+    def line(self, text: str) -> None:
+        self.lines.append("    " * self.indent + text)
+
+    def push(self) -> None:
+        self.scopes.append({})
+        self.locals.append({})
+
+    def pop(self) -> None:
+        self.scopes.pop()
+        self.locals.pop()
+
+    def bind_local(self, buffer: str, index: Node, name: str) -> None:
+        self.locals[-1][(buffer, index)] = name
+
+    def tmp(self, expr: str) -> str:
+        name = f"t{self.count}"
+        self.count += 1
+        self.line(f"{name} = {expr}")
+        return name
+
+    def index(self, n: Node) -> str:
+        if n.op == "const":
+            return str(int(n.arg))
+        if n.op in ("var", "sym"):
+            return n.arg
+        if n.op == "add":
+            return "(" + " + ".join(self.index(a) for a in n.args) + ")"
+        if n.op == "mul":
+            return "(" + " * ".join(self.index(a) for a in n.args) + ")"
+        if n.op == "floordiv":
+            return f"({self.index(n.args[0])} // {self.index(n.args[1])})"
+        if n.op == "mod":
+            return f"({self.index(n.args[0])} % {self.index(n.args[1])})"
+        return self.value(n)
+
+    def value(self, n: Node) -> str:
+        if n.op == "const":
+            return literal(n.arg, n.dtype)
+        if n.op in ("var", "sym"):
+            return n.arg
+        for scope in reversed(self.scopes):
+            if n in scope:
+                return scope[n]
+        if n.op == "load" and len(n.args) == 1:
+            for scope in reversed(self.locals):
+                if (n.arg, n.args[0]) in scope:
+                    return scope[(n.arg, n.args[0])]
+        name = self.tmp(self._expr(n))
+        self.scopes[-1][n] = name
+        return name
+
+    def _expr(self, n: Node) -> str:
+        o, a, dt = n.op, n.args, n.dtype
+        if o == "load":
+            mask = self.mask
+            if len(a) == 2:
+                own = self.value(a[1])
+                mask = own if mask == "None" else f"{mask} & {own}"
+            raw = f"tl.load({n.arg} + ({self.index(a[0])}) + xzero, mask={mask}, other=0)"
+            sdt = self.buffers[n.arg]
+            if sdt in (torch.float16, torch.bfloat16):
+                raw += ".to(tl.float32)"
+            elif sdt == torch.bool:
+                raw += ".to(tl.int1)"
+            return raw
+        if o == "cast":
+            x = self.value(a[0]) if not (a[0].dtype == INDEX and a[0].op in ("add", "mul", "floordiv", "mod")) \
+                else self.index(a[0])
+            if dt == torch.bool:
+                return f"({x} != 0)"
+            if dt in (torch.float16, torch.bfloat16):
+                return f"{x}.to({STORE_TL[dt]}).to(tl.float32)"
+            return f"{x}.to({TL[dt]})"
+        if o in ("floordiv", "mod") and dt == INDEX:
+            return self.index(n)
+        if o == "where":
+            return f"tl.where({self.value(a[0])}, {self.value(a[1])}, {self.value(a[2])})"
+        if o in ("add", "mul") and len(a) > 2:
+            return "(" + f" {_INFIX[o]} ".join(self.value(x) for x in a) + ")"
+        if o in _INFIX and len(a) == 2:
+            x, y = self.value(a[0]), self.value(a[1])
+            if o == "truediv" and not dt.is_floating_point:
+                return f"({x}.to(tl.float32) / {y}.to(tl.float32))"
+            return f"({x} {_INFIX[o]} {y})"
+        if o == "neg":
+            return f"(-{self.value(a[0])})"
+        if o == "not":
+            return f"({self.value(a[0])} == 0)"
+        if o == "bitnot":
+            return f"(~{self.value(a[0])})"
+        if o == "abs":
+            return f"tl.abs({self.value(a[0])})"
+        if o == "relu":
+            x = self.value(a[0])
+            return f"tl.where({x} < 0, 0, {x}).to({TL[dt]})"
+        if o == "reciprocal":
+            return f"(1.0 / {self.value(a[0])})"
+        if o == "frac":
+            x = self.value(a[0])
+            return f"({x} - libdevice.trunc({x}))"
+        if o == "log10":
+            return f"(tl.log({self.value(a[0])}) * 0.4342944819032518)"
+        if o == "erfc":
+            return f"(1.0 - tl.erf({self.value(a[0])}))"
+        if o == "isinf":
+            return f"(tl.abs({self.value(a[0])}) == INF)"
+        if o in ("isnan",):
+            x = self.value(a[0])
+            return f"({x} != {x})"
+        if o == "isfinite":
+            x = self.value(a[0])
+            return f"(({x} == {x}) & (tl.abs({x}) != INF))"
+        if o == "sign":
+            x = self.value(a[0])
+            if dt.is_floating_point:
+                return f"tl.where({x} != {x}, {x}, (({x} > 0).to({TL[dt]}) - ({x} < 0).to({TL[dt]})))"
+            return f"(({x} > 0).to({TL[dt]}) - ({x} < 0).to({TL[dt]}))"
+        if o in ("maximum", "clamp_min", "minimum", "clamp_max"):
+            x, y = self.value(a[0]), self.value(a[1])
+            big = o in ("maximum", "clamp_min")
+            if dt.is_floating_point:
+                return f"{'_max_nan' if big else '_min_nan'}({x}, {y})"
+            return f"{'tl.maximum' if big else 'tl.minimum'}({x}, {y})"
+        if o in ("fmax", "fmin"):
+            x, y = self.value(a[0]), self.value(a[1])
+            fn = "tl.maximum" if o == "fmax" else "tl.minimum"
+            return f"tl.where({x} != {x}, {y}, tl.where({y} != {y}, {x}, {fn}({x}, {y})))"
+        if o == "pow":
+            x, y = self.value(a[0]), self.value(a[1])
+            if dt.is_floating_point:
+                return f"libdevice.pow({x}, {y})"
+            raise NotImplementedError("integer pow in Triton")
+        if o in ("pyfloordiv", "remainder", "truncdiv"):
+            x, y = self.value(a[0]), self.value(a[1])
+            if dt.is_floating_point:
+                if o == "truncdiv":
+                    return f"libdevice.trunc({x} / {y})"
+                m = self.tmp(f"libdevice.fmod({x}, {y})")
+                fix = self.tmp(f"({m} != 0) & (({y} < 0) != ({m} < 0))")
+                if o == "remainder":
+                    return f"tl.where({fix}, {m} + {y}, {m})"
+                return f"tl.where({y} == 0, {x} / {y}, libdevice.trunc(({x} - {m}) / {y}) - tl.where({fix}, 1.0, 0.0))"
+            q = self.tmp(f"({x} // {y})")     # Triton integer // and % truncate, like C
+            r = self.tmp(f"({x} % {y})")
+            if o == "truncdiv":
+                return q
+            fix = self.tmp(f"({r} != 0) & (({r} < 0) != ({y} < 0))")
+            return f"tl.where({fix}, {q} - 1, {q})" if o == "pyfloordiv" else f"tl.where({fix}, {r} + {y}, {r})"
+        if o == "fmod" and not dt.is_floating_point:
+            return f"({self.value(a[0])} % {self.value(a[1])})"
+        if o in _CORE:
+            return f"{_CORE[o]}({self.value(a[0])})"
+        if o in _LIBDEVICE:
+            fn = _LIBDEVICE[o]
+            if self.interpreter and fn.split(".")[1] not in INTERPRETER_LIBDEVICE:
+                raise NotImplementedError(f"{o} has no Triton-interpreter implementation")
+            return f"{fn}({', '.join(self.value(x) for x in a)})"
+        raise NotImplementedError(f"Triton codegen: no rule for op {o!r} ({to_text(n)})")
+
+
+def _unflatten(em: TritonEmitter, flat: str, sizes: tuple[Node, ...], prefix: str) -> None:
+    """Derive per-dim vars (x0, x1, ...) from a flat index, innermost fastest."""
+    stride = None
+    for k in range(len(sizes) - 1, -1, -1):
+        base = flat if stride is None else f"({flat} // ({stride}))"
+        em.line(f"{prefix}{k} = {base}" + (f" % ({em.index(sizes[k])})" if k > 0 else ""))
+        stride = em.index(sizes[k]) if stride is None else f"{stride} * {em.index(sizes[k])}"
+
+
+_RED = {"sum": ("tl.sum", "0"), "prod": (None, "1"), "max": ("tl.max", "-INF"), "min": ("tl.min", "INF"),
+        "any": ("tl.max", "0"), "all": ("tl.min", "1")}
+
+
+def _init(op: str, dtype: torch.dtype) -> str:
+    if op in ("max", "argmax"):
+        return "-INF" if dtype.is_floating_point else str(torch.iinfo(dtype).min if dtype != torch.bool else 0)
+    if op in ("min", "argmin"):
+        return "INF" if dtype.is_floating_point else str(torch.iinfo(dtype).max if dtype != torch.bool else 1)
+    return _RED[op][1]
+
+
+def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, list[str], list[str]]:
+    """Triton source for one kernel; returns (source, buffer args, symbol args)."""
+    kernel = plan.kernel
+    produced = {m.buffer.name for m in plan.members}
+    written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
+    read, syms = [], set()
+    for m in plan.members:
+        for n in list(walk(m.body)) + list(walk(m.store)):
+            if n.op == "load" and n.arg not in read and n.arg not in produced:
+                read.append(n.arg)
+            if n.op == "sym":
+                syms.add(n.arg)
+    for s in plan.outer + plan.inner:
+        syms |= free_syms(s)
+    syms_list = sorted(syms)
+    params = ", ".join(read + written + syms_list + ["xnumel", "rnumel", "XBLOCK: tl.constexpr",
+                                                      "RBLOCK: tl.constexpr"])
+    out: list[str] = []
+    if kernel.kind == "pointwise":
+        em = TritonEmitter(dtypes)
+        em.line("xindex = tl.program_id(0).to(tl.int64) * XBLOCK + tl.arange(0, XBLOCK)")
+        em.line("xmask = xindex < xnumel")
+        em.line("xzero = tl.zeros_like(xindex)   # gives scalar addresses the block's shape")
+        _unflatten(em, "xindex", plan.outer, "x")
+        em.mask = "xmask"
+        _emit_values(em, plan, plan.members, "xmask")
+        out.append(f"@triton.jit\ndef {kernel.name}({params}):\n" + "\n".join(em.lines))
+    else:
+        for persistent in (True, False):
+            em = TritonEmitter(dtypes)
+            em.line("xindex = tl.program_id(0).to(tl.int64) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+            em.line("xmask = xindex < xnumel")
+            em.line("rbase = tl.arange(0, RBLOCK)[None, :]")
+            em.line("xzero = tl.zeros_like(xindex)")
+            _unflatten(em, "xindex", plan.outer, "x")
+            _emit_reduction_body(em, plan, persistent)
+            suffix = "_persistent" if persistent else "_looped"
+            out.append(f"@triton.jit\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
+    return "\n\n\n".join(out), read + written, syms_list
+
+
+def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
+    for m in members:
+        v = em.value(m.body)
+        em.bind_local(m.buffer.name, m.store, v)
+        if m.buffer.name in plan.stored:
+            em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {v}.to({STORE_TL[m.buffer.dtype]}), {mask})")
+
+
+def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) -> None:
+    full_mask = "xmask & rmask"
+    if persistent:
+        em.line("rindex = rbase")
+        em.line("rmask = rindex < rnumel")
+        _unflatten(em, "rindex", plan.inner, "y")
+    for stage in plan.stages:
+        if stage.kind == "outer":
+            em.mask = "xmask"
+            _emit_values(em, plan, stage.members, "xmask")
+            continue
+        if not persistent:
+            accs = _open_accumulators(em, stage) if stage.kind == "reduce" else []
+            em.line("for roffset in range(0, rnumel, RBLOCK):")
+            em.indent += 1
+            em.push()
+            em.line("rindex = roffset + rbase")
+            em.line("rmask = rindex < rnumel")
+            _unflatten(em, "rindex", plan.inner, "y")
+        em.mask = full_mask
+        if stage.kind == "inner":
+            _emit_values(em, plan, stage.members, full_mask)
+        elif persistent:
+            for m in stage.members:
+                _finish_reduction(em, plan, m, em.value(m.body), None)
+        else:
+            for m, acc in accs:
+                _accumulate(em, m, em.value(m.body), acc)
+        if not persistent:
+            em.pop()
+            em.indent -= 1
+            if stage.kind == "reduce":
+                for m, acc in accs:
+                    _finish_reduction(em, plan, m, None, acc)
+
+
+def _open_accumulators(em: TritonEmitter, stage) -> list:
+    accs = []
+    for m in stage.members:
+        op, dt = m.buffer.reduction_op, m.body.dtype
+        acc = f"acc_{m.buffer.name}"
+        em.line(f"{acc} = tl.full([XBLOCK, RBLOCK], {_init(op, dt)}, {TL[dt]})")
+        if op in ("argmax", "argmin"):
+            em.line(f"{acc}_i = tl.full([XBLOCK, RBLOCK], 0, tl.int64)")
+        accs.append((m, acc))
+    return accs
+
+
+def _accumulate(em: TritonEmitter, m, v: str, acc: str) -> None:
+    op, dt = m.buffer.reduction_op, m.body.dtype
+    v = f"tl.where(xmask & rmask, {v}, {_init(op, dt)})"
+    if op == "sum":
+        em.line(f"{acc} = {acc} + {v}")
+    elif op == "prod":
+        em.line(f"{acc} = {acc} * {v}")
+    elif op in ("max", "any"):
+        em.line(f"{acc} = _max_nan({acc}, {v})" if dt.is_floating_point else f"{acc} = tl.maximum({acc}, {v})")
+    elif op in ("min", "all"):
+        em.line(f"{acc} = _min_nan({acc}, {v})" if dt.is_floating_point else f"{acc} = tl.minimum({acc}, {v})")
+    else:
+        tv = em.tmp(v)
+        cmp = ">" if op == "argmax" else "<"
+        nan = f" | (({tv} != {tv}) & ({acc} == {acc}))" if dt.is_floating_point else ""
+        better = em.tmp(f"({tv} {cmp} {acc}){nan}")
+        em.line(f"{acc} = tl.where({better}, {tv}, {acc})")
+        em.line(f"{acc}_i = tl.where({better}, rindex, {acc}_i)")
+
+
+def _row_reduce(op: str, dt: torch.dtype, v: str, em: TritonEmitter) -> str:
+    if op == "sum":
+        return f"tl.sum({v}, 1)[:, None]"
+    if op == "prod":
+        return f"tl.reduce({v}, 1, _mul_combine)[:, None]"
+    if op in ("max", "any", "min", "all"):
+        fn = "tl.max" if op in ("max", "any") else "tl.min"
+        if dt == torch.bool:
+            return f"{fn}({v}.to(tl.int8), 1)[:, None] != 0"
+        r = f"{fn}({v}, 1)[:, None]"
+        if dt.is_floating_point:
+            nan = em.tmp(f"tl.max(({v} != {v}).to(tl.int8), 1)[:, None] != 0")
+            return f"tl.where({nan}, NAN, {r})"
+        return r
+    raise NotImplementedError(op)
+
+
+def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: str | None) -> None:
+    op, dt = m.buffer.reduction_op, m.body.dtype
+    if acc is None:
+        acc = em.tmp(f"tl.where(xmask & rmask, {v}, {_init(op, dt)})")
+        idx = "rindex"
+    else:
+        idx = f"{acc}_i"
+    if op in ("argmax", "argmin"):
+        # first index among the lanes holding the best value (NaN counts as the largest)
+        best_fn = "tl.max" if op == "argmax" else "tl.min"
+        key = em.tmp(f"tl.where({acc} != {acc}, INF, {acc})" if op == "argmax" and dt.is_floating_point else acc)
+        best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
+        idx_full = em.tmp(f"tl.broadcast_to({idx}, [XBLOCK, RBLOCK])" if idx == "rindex" else idx)
+        result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None].to(tl.int64)")
+    else:
+        result = em.tmp(_row_reduce(op, dt, acc, em))
+    value = em.tmp(f"{result}.to({STORE_TL[m.buffer.dtype]}).to({TL[m.buffer.dtype]})")
+    em.bind_local(m.buffer.name, m.store, value)
+    if m.buffer.name in plan.stored:
+        em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {value}.to({STORE_TL[m.buffer.dtype]}), xmask)")
+
+
+def module_source(kernel_sources: list[str], interpreter: bool = False) -> str:
+    mul = '''
+
+@triton.jit
+def _mul_combine(a, b):
+    return a * b
+'''
+    header = (HEADER_INTERPRETER if interpreter else HEADER_GPU) + HEADER_COMMON
+    return header + mul + "\n\n" + "\n\n\n".join(kernel_sources) + "\n"
