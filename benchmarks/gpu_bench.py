@@ -1,0 +1,177 @@
+"""GPU benchmark: eager vs Inductor vs torchfuse side by side in one process (CUDA events, medians).
+
+    python benchmarks/gpu_bench.py [--quick] [--models] [--out results.md]
+
+Memory-bound kernels report achieved GB/s (bytes each input read once + each output written
+once) against a measured device-to-device copy.  Compile time is the first call with fresh
+Inductor, Triton and torchfuse caches (set up before torch/triton are imported).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+_tmp = tempfile.mkdtemp(prefix="tf-gpubench-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_tmp, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_tmp, "triton")
+os.environ["TORCHFUSE_CACHE_DIR"] = os.path.join(_tmp, "torchfuse")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import torchfuse  # noqa: E402
+
+
+def bench(fn, *args, reps: int = 50) -> float:
+    """Median milliseconds by CUDA events, after warm-up."""
+    for _ in range(3):
+        fn(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn(*args)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def first_call(fn, *args) -> tuple[callable, float]:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn(*args)
+    torch.cuda.synchronize()
+    return fn, time.perf_counter() - t
+
+
+def copy_bandwidth() -> float:
+    x = torch.randn(256 * 1024 * 1024 // 4 * 4, device="cuda")
+    y = torch.empty_like(x)
+    ms = bench(lambda: y.copy_(x), reps=30)
+    return 2 * x.numel() * 4 / ms / 1e6   # GB/s
+
+
+def rms(x, w):
+    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * w
+
+
+WORKLOADS = {
+    # name: (fn, make args(shape, dtype), bytes moved(shape, elt))
+    "chain": (lambda x, y: ((x * 1.5 + 0.3).relu() * y).sigmoid(),
+              lambda s, d: (torch.randn(s, device="cuda", dtype=d), torch.randn(s, device="cuda", dtype=d)), 3),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda s, d: (torch.randn(s, device="cuda", dtype=d),), 2),
+    "gelu_erf": (lambda x: F.gelu(x), lambda s, d: (torch.randn(s, device="cuda", dtype=d),), 2),
+    "softmax": (lambda x: torch.softmax(x, -1), lambda s, d: (torch.randn(s, device="cuda", dtype=d),), 2),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+                   lambda s, d: (torch.randn(s, device="cuda", dtype=d), torch.randn(s[-1], device="cuda", dtype=d),
+                                 torch.randn(s[-1], device="cuda", dtype=d)), 2),
+    "rms_norm": (rms, lambda s, d: (torch.randn(s, device="cuda", dtype=d), torch.randn(s[-1], device="cuda", dtype=d)), 2),
+    "cross_entropy": (lambda x, t: F.cross_entropy(x, t),
+                      lambda s, d: (torch.randn(s, device="cuda", dtype=d), torch.randint(0, s[-1], (s[0],), device="cuda")), 1),
+}
+SHAPES = [(8192, 8192), (16384, 1000), (4096, 32768), (32768, 768)]
+
+
+def run_kernels(shapes, dtypes, copy_gbs, rows):
+    for name, (fn, make, nbytes) in WORKLOADS.items():
+        for dtype in dtypes:
+            for shape in shapes:
+                args = make(shape, dtype)
+                elt = torch.finfo(dtype).bits // 8
+                moved = nbytes * shape[0] * shape[1] * elt
+                torch._dynamo.reset()
+                results = {}
+                for label, make_fn in (("eager", lambda: fn),
+                                       ("inductor", lambda: torch.compile(fn)),
+                                       ("torchfuse", lambda: torch.compile(fn, backend="torchfuse"))):
+                    try:
+                        compiled, ctime = first_call(make_fn(), *args)
+                        results[label] = (bench(compiled, *args), ctime)
+                    except Exception as e:  # keep the table going; report the failure
+                        results[label] = (float("nan"), float("nan"))
+                        print(f"{name} {shape} {dtype} {label}: {type(e).__name__}: {str(e)[:200]}")
+                    torch._dynamo.reset()
+                e_ms, i_ms, t_ms = results["eager"][0], results["inductor"][0], results["torchfuse"][0]
+                rows.append([name, "x".join(map(str, shape)), str(dtype).replace("torch.", ""),
+                             f"{e_ms:.3f}", f"{i_ms:.3f}", f"{t_ms:.3f}",
+                             f"{moved / i_ms / 1e6 / copy_gbs * 100:.0f}%", f"{moved / t_ms / 1e6 / copy_gbs * 100:.0f}%",
+                             f"{i_ms / t_ms:.2f}", f"{results['inductor'][1]:.2f}", f"{results['torchfuse'][1]:.2f}"])
+                print(" | ".join(rows[-1]), flush=True)
+
+
+def run_models(rows):
+    import transformers
+    cases = []
+    g = transformers.GPT2Config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    cases.append(("gpt2-small fp32 b8 s512", lambda: transformers.GPT2LMHeadModel(g).cuda().eval(),
+                  lambda: (torch.randint(0, 50257, (8, 512), device="cuda"),), torch.float32))
+    cases.append(("gpt2-small bf16 b8 s512", lambda: transformers.GPT2LMHeadModel(g).cuda().eval().bfloat16(),
+                  lambda: (torch.randint(0, 50257, (8, 512), device="cuda"),), torch.bfloat16))
+    b = transformers.BertConfig()
+    cases.append(("bert-base fp32 b8 s512", lambda: transformers.BertModel(b).cuda().eval(),
+                  lambda: (torch.randint(0, 30000, (8, 512), device="cuda"),), torch.float32))
+    try:
+        import timm
+        cases.append(("vit-b16 bf16 b32", lambda: timm.create_model("vit_base_patch16_224", pretrained=False).cuda().eval().bfloat16(),
+                      lambda: (torch.randn(32, 3, 224, 224, device="cuda", dtype=torch.bfloat16),), torch.bfloat16))
+        cases.append(("resnet50 cl bf16 b64", lambda: timm.create_model("resnet50", pretrained=False).cuda().eval().bfloat16()
+                      .to(memory_format=torch.channels_last),
+                      lambda: (torch.randn(64, 3, 224, 224, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last),),
+                      torch.bfloat16))
+    except ImportError:
+        pass
+    for name, make_model, make_args, _ in cases:
+        model, args = make_model(), make_args()
+        results = {}
+        with torch.no_grad():
+            for label, wrap in (("eager", lambda m: m), ("inductor", lambda m: torch.compile(m)),
+                                ("torchfuse", lambda m: torch.compile(m, backend="torchfuse"))):
+                torch._dynamo.reset()
+                try:
+                    compiled, ctime = first_call(wrap(model), *args)
+                    results[label] = (bench(compiled, *args, reps=20), ctime)
+                except Exception as e:
+                    results[label] = (float("nan"), float("nan"))
+                    print(f"{name} {label}: {type(e).__name__}: {str(e)[:300]}")
+        e_ms, i_ms, t_ms = (results[k][0] for k in ("eager", "inductor", "torchfuse"))
+        rows.append([name, "", "", f"{e_ms:.2f}", f"{i_ms:.2f}", f"{t_ms:.2f}", "", "", f"{i_ms / t_ms:.2f}",
+                     f"{results['inductor'][1]:.1f}", f"{results['torchfuse'][1]:.1f}"])
+        print(" | ".join(rows[-1]), flush=True)
+        del model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", action="store_true")
+    ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    copy_gbs = copy_bandwidth()
+    print(f"device-to-device copy: {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}")
+    rows: list[list[str]] = []
+    if not a.no_kernels:
+        shapes = SHAPES[:2] if a.quick else SHAPES
+        dtypes = [torch.float32, torch.bfloat16]
+        run_kernels(shapes, dtypes, copy_gbs, rows)
+    if a.models:
+        run_models(rows)
+    head = ["workload", "shape", "dtype", "eager ms", "inductor ms", "torchfuse ms", "inductor %copy",
+            "torchfuse %copy", "inductor/torchfuse", "inductor compile s", "torchfuse compile s"]
+    table = [f"copy bandwidth: {copy_gbs:.0f} GB/s ({torch.cuda.get_device_name()}, torch {torch.__version__})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table += ["| " + " | ".join(r) + " |" for r in rows]
+    text = "\n".join(table)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
