@@ -98,8 +98,8 @@ INTERPRETER_LIBDEVICE = {"tanh", "expm1", "log1p", "trunc", "nearbyint", "fmod",
 
 HEADER_COMMON = '''
 
-INF: tl.constexpr = float("inf")
-NAN: tl.constexpr = float("nan")
+INF = tl.constexpr(float("inf"))
+NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -356,11 +356,14 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         syms |= free_syms(s)
     syms_list = sorted(syms)
     params = ", ".join(read + written + syms_list + ["xnumel", "rnumel", "XBLOCK: tl.constexpr",
-                                                      "RBLOCK: tl.constexpr"])
+                                                      "RBLOCK: tl.constexpr", "BIG: tl.constexpr"])
     out: list[str] = []
     if kernel.kind == "pointwise":
         em = TritonEmitter(dtypes)
-        em.line("xindex = tl.program_id(0).to(tl.int64) * XBLOCK + tl.arange(0, XBLOCK)")
+        em.line("pid = tl.program_id(0)")
+        em.line("if BIG:   # 64-bit offsets only when some offset can pass 2**31")
+        em.line("    pid = pid.to(tl.int64)")
+        em.line("xindex = pid * XBLOCK + tl.arange(0, XBLOCK)")
         em.line("xmask = xindex < xnumel")
         em.line("xzero = tl.zeros_like(xindex)   # gives scalar addresses the block's shape")
         _unflatten(em, "xindex", plan.outer, "x")
@@ -370,7 +373,10 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
     else:
         for persistent in (True, False):
             em = TritonEmitter(dtypes)
-            em.line("xindex = tl.program_id(0).to(tl.int64) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+            em.line("pid = tl.program_id(0)")
+            em.line("if BIG:")
+            em.line("    pid = pid.to(tl.int64)")
+            em.line("xindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
             em.line("xmask = xindex < xnumel")
             em.line("rbase = tl.arange(0, RBLOCK)[None, :]")
             em.line("xzero = tl.zeros_like(xindex)")

@@ -58,12 +58,26 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+_INT32_LIMIT = 2 ** 31 - 2 ** 20
+
+
+def _needs_int64(args: tuple, total: int) -> bool:
+    """64-bit index math only when some offset can pass 2**31 (it costs instructions)."""
+    if total >= _INT32_LIMIT:
+        return True
+    for a in args:
+        if hasattr(a, "untyped_storage") and a.untyped_storage().nbytes() // max(a.element_size(), 1) >= _INT32_LIMIT:
+            return True
+    return False
+
+
 def launch_pointwise(kernel: Any, xnumel: int, *args: Any) -> None:
     if xnumel == 0:
         return
     xblock = min(POINTWISE_XBLOCK, _next_pow2(xnumel))
     grid = ((xnumel + xblock - 1) // xblock,)
-    kernel[grid](*args, xnumel, 1, XBLOCK=xblock, RBLOCK=1, num_warps=4 if xblock >= 512 else 2)
+    kernel[grid](*args, xnumel, 1, XBLOCK=xblock, RBLOCK=1, BIG=_needs_int64(args, xnumel),
+                 num_warps=4 if xblock >= 512 else 2)
 
 
 def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, *args: Any) -> None:
@@ -74,8 +88,10 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, *ar
         xblock = max(1, min(_next_pow2(xnumel), 4096 // rblock, 64))
         warps = 1 if rblock <= 256 else 4 if rblock <= 2048 else 8
         grid = ((xnumel + xblock - 1) // xblock,)
-        persistent[grid](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=rblock, num_warps=warps)
+        persistent[grid](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=rblock, BIG=_needs_int64(args, xnumel * rnumel),
+                         num_warps=warps)
     else:
         xblock = 1
         grid = (xnumel,)
-        looped[grid](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=LOOPED_RBLOCK, num_warps=8)
+        looped[grid](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=LOOPED_RBLOCK, BIG=_needs_int64(args, xnumel * rnumel),
+                     num_warps=8)
