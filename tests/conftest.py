@@ -167,6 +167,34 @@ class TF:
                     signed_zeros=signed_zeros)
         return e
 
+    @classmethod
+    def check_grad(cls, fn: Callable, *args: Any, allow_fallbacks: Iterable[str] = (),
+                   atol: float | None = None, rtol: float | None = None) -> torchfuse.Explanation:
+        """Forward and backward through torchfuse vs eager: outputs and the grads of every input that
+        requires grad (the backward graph must be compiled by torchfuse and generate kernels)."""
+        def clone(a: Any) -> Any:
+            return a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+        eager_args, tf_args = [clone(a) for a in args], [clone(a) for a in args]
+        expected = fn(*eager_args)
+        gen = torch.Generator().manual_seed(1)
+        outs = [o for o in flatten(expected) if isinstance(o, torch.Tensor) and o.requires_grad]
+        grads_out = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
+        torch.autograd.backward(outs, grads_out)
+        e = cls.explain(fn, *tf_args)
+        n_fw = len(e.kernels)
+        got = [o for o in flatten(e.output) if isinstance(o, torch.Tensor) and o.requires_grad]
+        assert len(got) == len(outs), "outputs that require grad differ from eager"
+        torch.autograd.backward(got, grads_out)
+        assert len(e.kernels) > n_fw, f"the backward graph generated no kernels\n{e}"
+        bad = [f"{f.op} ({f.reason})" for f in e.fallbacks if f.op not in set(allow_fallbacks)]
+        assert not bad, f"unexpected ATen fallbacks: {bad}\n{e}"
+        assert_same(e.output, expected, atol=atol, rtol=rtol, what="forward ")
+        for k, (a, b) in enumerate(zip(tf_args, eager_args)):
+            if isinstance(b, torch.Tensor) and b.requires_grad:
+                assert a.grad is not None, f"input {k} got no grad"
+                assert_same(a.grad, b.grad, atol=atol, rtol=rtol, what=f"grad of input {k}: ")
+        return e
+
 
 @pytest.fixture
 def tf() -> type[TF]:

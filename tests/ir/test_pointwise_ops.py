@@ -94,14 +94,20 @@ def test_special_values_unary(tf):
     """NaN / +-inf / -0.0 through unary math; sign of zero must match eager."""
     x = torch.tensor([NAN, INF, -INF, -0.0, 0.0, 1.0, -1.0, 1e-30, -1e30])
 
-    def fn(x):
+    def exact(x):   # sign of zero checked
         return (x.neg(), x.abs(), torch.sign(x), torch.relu(x), x.exp(), x.log(), x.sqrt(), x.rsqrt(),
                 x.reciprocal(), x.tanh(), x.sigmoid(), x.floor(), x.ceil(), x.round(), x.trunc(), x.frac(),
                 x.isnan(), x.isinf(), x.isfinite(), x.signbit(), x.expm1(), x.log1p(), torch.erf(x),
-                torch.atan(x), x * 0, -x * 1, x.square(), F.gelu(x), F.silu(x), F.softplus(x),
-                torch.nan_to_num(x), torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-2.0))
-    tf.check(fn, x, signed_zeros=True)
-    tf.check(fn, x.double(), signed_zeros=True)
+                torch.atan(x), x * 0, -x * 1, x.square(), torch.nan_to_num(x),
+                torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-2.0))
+
+    def activations(x):
+        return (F.gelu(x), F.gelu(x, approximate="tanh"), F.silu(x), F.softplus(x), F.elu(x), F.mish(x),
+                F.hardswish(x), F.leaky_relu(x), torch.erfc(x), torch.sinh(x), torch.cosh(x), torch.asinh(x))
+
+    for x in (x, x.double()):
+        tf.check(exact, x, signed_zeros=True)
+    tf.check(activations, x)
 
 
 def test_special_values_low_precision(tf):

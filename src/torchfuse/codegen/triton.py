@@ -81,7 +81,7 @@ def _pow(a, b):
     b_int = tl.floor(b) == b
     b_odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) != 0)
     r = tl.where((a < 0) & b_odd, -mag, mag)
-    r = tl.where((a < 0) & (~b_int), float("nan"), r)
+    r = tl.where((a < 0) & (~b_int), mag - mag + (tl.full([1], 1e999, tl.float32) - tl.full([1], 1e999, tl.float32)), r)
     return tl.where(b == 0, 1.0, r)
 
 
@@ -98,8 +98,6 @@ INTERPRETER_LIBDEVICE = {"tanh", "expm1", "log1p", "trunc", "nearbyint", "fmod",
 
 HEADER_COMMON = '''
 
-INF = tl.constexpr(float("inf"))
-NAN = tl.constexpr(float("nan"))
 
 
 @triton.jit
@@ -129,6 +127,11 @@ _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": 
           "lshift": "<<", "rshift": ">>"}
 
 
+# A NaN constexpr global breaks Triton's "global changed since compile" check (nan != nan), so
+# NaN is made at run time from the inf literal 1e999.
+NAN_EXPR = "(tl.full([1], 1e999, tl.float32) - tl.full([1], 1e999, tl.float32))"
+
+
 def _interpreting() -> bool:
     import os
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -139,11 +142,13 @@ def literal(value, dtype: torch.dtype) -> str:
         return f"tl.full([1], {1 if value else 0}, tl.int1)"
     if dtype.is_floating_point:
         if math.isnan(value):
-            v = "NAN"
+            v = "float('nan')"
         elif math.isinf(value):
-            v = "INF" if value > 0 else "-INF"
+            v = "1e999" if value > 0 else "-1e999"
         else:
             v = repr(float(value))
+        if math.isnan(value):
+            return NAN_EXPR
         return f"tl.full([1], {v}, {TL[dtype]})"
     return f"tl.full([1], {int(value)}, {TL[dtype]})"
 
@@ -264,13 +269,13 @@ class TritonEmitter:
         if o == "erfc":
             return f"(1.0 - tl.erf({self.value(a[0])}))"
         if o == "isinf":
-            return f"(tl.abs({self.value(a[0])}) == INF)"
+            return f"(tl.abs({self.value(a[0])}) == 1e999)"
         if o in ("isnan",):
             x = self.value(a[0])
             return f"({x} != {x})"
         if o == "isfinite":
             x = self.value(a[0])
-            return f"(({x} == {x}) & (tl.abs({x}) != INF))"
+            return f"(({x} == {x}) & (tl.abs({x}) != 1e999))"
         if o == "sign":
             x = self.value(a[0])
             if dt.is_floating_point:
@@ -328,15 +333,15 @@ def _unflatten(em: TritonEmitter, flat: str, sizes: tuple[Node, ...], prefix: st
         stride = em.index(sizes[k]) if stride is None else f"{stride} * {em.index(sizes[k])}"
 
 
-_RED = {"sum": ("tl.sum", "0"), "prod": (None, "1"), "max": ("tl.max", "-INF"), "min": ("tl.min", "INF"),
+_RED = {"sum": ("tl.sum", "0"), "prod": (None, "1"), "max": ("tl.max", "-1e999"), "min": ("tl.min", "1e999"),
         "any": ("tl.max", "0"), "all": ("tl.min", "1")}
 
 
 def _init(op: str, dtype: torch.dtype) -> str:
     if op in ("max", "argmax"):
-        return "-INF" if dtype.is_floating_point else str(torch.iinfo(dtype).min if dtype != torch.bool else 0)
+        return "-1e999" if dtype.is_floating_point else str(torch.iinfo(dtype).min if dtype != torch.bool else 0)
     if op in ("min", "argmin"):
-        return "INF" if dtype.is_floating_point else str(torch.iinfo(dtype).max if dtype != torch.bool else 1)
+        return "1e999" if dtype.is_floating_point else str(torch.iinfo(dtype).max if dtype != torch.bool else 1)
     return _RED[op][1]
 
 
@@ -475,7 +480,7 @@ def _row_reduce(op: str, dt: torch.dtype, v: str, em: TritonEmitter) -> str:
         r = f"{fn}({v}, 1)[:, None]"
         if dt.is_floating_point:
             nan = em.tmp(f"tl.max(({v} != {v}).to(tl.int8), 1)[:, None] != 0")
-            return f"tl.where({nan}, NAN, {r})"
+            return f"tl.where({nan}, {NAN_EXPR}, {r})"
         return r
     raise NotImplementedError(op)
 
@@ -490,7 +495,7 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
     if op in ("argmax", "argmin"):
         # first index among the lanes holding the best value (NaN counts as the largest)
         best_fn = "tl.max" if op == "argmax" else "tl.min"
-        key = em.tmp(f"tl.where({acc} != {acc}, INF, {acc})" if op == "argmax" and dt.is_floating_point else acc)
+        key = em.tmp(f"tl.where({acc} != {acc}, 1e999, {acc})" if op == "argmax" and dt.is_floating_point else acc)
         best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
         idx_full = em.tmp(f"tl.broadcast_to({idx}, [XBLOCK, RBLOCK])" if idx == "rindex" else idx)
         result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None].to(tl.int64)")

@@ -30,7 +30,7 @@ DECOMPOSE = [
     # elementwise helpers
     aten.addcmul, aten.addcdiv, aten.lerp, aten.xlogy, aten.clamp_min, aten.clamp_max, aten.rsub,
     aten.triu, aten.tril, aten.masked_fill, aten.square, aten.logaddexp, aten.hypot, aten.nan_to_num,
-    aten.zero,
+    aten.zero, aten.isposinf, aten.isneginf,
     # losses
     aten.nll_loss_forward, aten.nll_loss_backward, aten.mse_loss, aten.mse_loss_backward,
     aten.binary_cross_entropy, aten.binary_cross_entropy_backward, aten.smooth_l1_loss, aten.huber_loss,
