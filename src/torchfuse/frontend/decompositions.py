@@ -37,7 +37,7 @@ DECOMPOSE = [
     aten.binary_cross_entropy_with_logits,
     # views' backwards and index helpers
     aten.slice_backward, aten.select_backward, aten.index_select_backward, aten.diagonal_backward,
-    aten.embedding, aten.expand_as, aten.narrow, aten.unfold_backward,
+    aten.embedding, aten.expand_as, aten.narrow, aten.unfold_backward, aten.stack,
 ]
 
 _table: dict | None = None

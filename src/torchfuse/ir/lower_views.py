@@ -210,16 +210,61 @@ def _flip(lw, x, dims):
                          lambda idx: x.load([x.shape[k] - 1 - i if k in dims else i for k, i in enumerate(idx)]))
 
 
+def _rolled(i: Node, shift: Any, size: Node) -> Node:
+    """The source index of `i` in a roll by `shift` along a dim of `size`: (i - shift) mod size,
+    written as a select between i - s and i - s + size (s = shift mod size), so the index never
+    goes through `%` of a value that index simplification could make negative."""
+    if isinstance(shift, Node) or size.op != "const":
+        raise Unsupported("roll with a symbolic shift or size")
+    if size.arg == 0:
+        return i
+    s = int(shift) % size.arg
+    if s == 0:
+        return i
+    return where(op("ge", i, const(s), dtype=torch.bool), i - s, i + (size.arg - s))
+
+
 @register(aten.roll.default)
 def _roll(lw, x, shifts, dims=()):
     if not dims:
-        raise Unsupported("roll without dims")
+        # roll of the flattened tensor: flat index -> rolled flat index -> n-d index
+        if len(shifts) != 1:
+            raise Unsupported("roll without dims takes one shift")
+        shape, strides = x.shape, contiguous_strides(x.shape)
+        numel = const(1)
+        for sz in shape:
+            numel = numel * sz
+
+        def flat_fn(idx):
+            flat = const(0)
+            for i, st in zip(idx, strides):
+                flat = flat + i * st
+            src = _rolled(flat, shifts[0], numel)
+            return [mod(floordiv(src, st), sz) if k else floordiv(src, st) for k, (st, sz) in enumerate(zip(strides, shape))]
+        return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(flat_fn(list(idx))))
     pairs = {_norm(d, x.ndim): s for d, s in zip(dims, shifts)}
 
     def fn(idx):
-        return [mod(i + (x.shape[k] * abs(int(pairs[k])) - int(pairs[k])), x.shape[k]) if k in pairs else i
-                for k, i in enumerate(idx)]
+        return [_rolled(i, pairs[k], x.shape[k]) if k in pairs else i for k, i in enumerate(idx)]
     return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(fn(list(idx))))
+
+
+@register(aten.diagonal.default)
+def _diagonal(lw, x, offset=0, dim1=0, dim2=1):
+    d1, d2 = _norm(dim1, x.ndim), _norm(dim2, x.ndim)
+    if isinstance(offset, Node):
+        raise Unsupported("diagonal with a symbolic offset")
+    rest = [k for k in range(x.ndim) if k not in (d1, d2)]
+
+    def fn(idx):
+        sub = [None] * x.ndim
+        for k, i in zip(rest, idx):
+            sub[k] = i
+        diag = idx[-1]
+        sub[d1] = diag + max(-offset, 0)
+        sub[d2] = diag + max(offset, 0)
+        return sub
+    return remap(lw, x, fn)
 
 
 @register(aten.repeat.default)

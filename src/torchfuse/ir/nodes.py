@@ -42,7 +42,7 @@ class Node:
     dtype   the torch dtype of the value
     """
 
-    __slots__ = ("op", "args", "arg", "dtype", "_hash")
+    __slots__ = ("op", "args", "arg", "dtype", "_hash", "_text")
 
     def __init__(self, op: str, args: tuple["Node", ...] = (), arg: Any = None, dtype: torch.dtype = INDEX):
         self.op = op
@@ -50,6 +50,7 @@ class Node:
         self.arg = arg
         self.dtype = dtype
         self._hash = hash((op, args, arg if not isinstance(arg, float) or arg == arg else "nan", dtype))
+        self._text: str | None = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -466,6 +467,12 @@ def _short_dtype(dtype: torch.dtype) -> str:
 
 def to_text(n: Node) -> str:
     """Readable, C-like text; large shared sub-expressions are printed inline (bodies are small)."""
+    if n._text is None:
+        n._text = _to_text(n)
+    return n._text
+
+
+def _to_text(n: Node) -> str:
     if n.op == "const":
         return repr(n.arg) if n.dtype == INDEX else f"{n.arg!r}:{_short_dtype(n.dtype)}"
     if n.op in ("var", "sym"):

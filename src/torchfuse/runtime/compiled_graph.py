@@ -93,6 +93,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     kernel_args: dict[str, tuple[list[str], list[str]]] = {}
     kernel_calls: dict[str, str] = {}
     sources, infos = [], []
+    unique: dict[str, str] = {}
+    aliases: dict[str, str] = {}
     try:
         for plan in plans:
             kernel = plan.kernel
@@ -109,8 +111,15 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
             else:
                 from ..codegen import cpp
                 src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
-            sources.append(src)
             kernel_args[kernel.name] = (bufs, syms)
+            # Identical kernels (every layer of a transformer) are compiled once: compare sources
+            # with buffer names replaced by their argument positions.
+            canon = _canonical(src, kernel.name, bufs)
+            if canon in unique:
+                aliases[kernel.name] = unique[canon]
+            else:
+                unique[canon] = kernel.name
+                sources.append(src)
             infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind))
     except NotImplementedError as e:
         if config.strict:
@@ -127,7 +136,11 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
         report.fallbacks += [FallbackInfo(n, op, reason) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
     try:
-        kernels = _build(backend, sources, kernel_args, config, debug)
+        kernels = _build(backend, sources, {k: v for k, v in kernel_args.items() if k not in aliases}, config, debug)
+        for dup, first in aliases.items():
+            for suffix in ("", "_persistent", "_looped"):
+                if first + suffix in kernels:
+                    kernels[dup + suffix] = kernels[first + suffix]
     except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
         if config.strict:
             raise
@@ -141,6 +154,13 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
+
+
+def _canonical(src: str, name: str, bufs: list[str]) -> str:
+    import re
+    mapping = {b: f"arg{i}" for i, b in enumerate(bufs)}
+    src = re.sub(r"\b(?:in|buf|const)\d+\b", lambda m: mapping.get(m.group(0), m.group(0)), src)
+    return re.sub(rf"\b{name}\b", "KERNEL", src)
 
 
 def program_device(program) -> str:
