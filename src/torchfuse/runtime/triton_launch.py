@@ -14,8 +14,8 @@ from ..config import Config
 from ..counters import counters
 
 # Rows up to this many elements are reduced by the persistent kernel (whole row in registers).
-PERSISTENT_LIMIT = 8192
-LOOPED_RBLOCK = 1024
+PERSISTENT_LIMIT = 16384
+LOOPED_RBLOCK = 2048
 POINTWISE_XBLOCK = 1024
 
 _modules: dict[str, ModuleType] = {}
@@ -86,7 +86,7 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, *ar
     if rnumel <= PERSISTENT_LIMIT:
         rblock = _next_pow2(max(rnumel, 1))
         xblock = max(1, min(_next_pow2(xnumel), 4096 // rblock, 64))
-        warps = 1 if rblock <= 256 else 4 if rblock <= 2048 else 8
+        warps = min(16, max(1, xblock * rblock // 512))   # ~16 fp32 elements of the tile per thread
         grid = ((xnumel + xblock - 1) // xblock,)
         persistent[grid](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=rblock, BIG=_needs_int64(args, xnumel * rnumel),
                          num_warps=warps)
@@ -94,4 +94,4 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, *ar
         xblock = 1
         grid = (xnumel,)
         looped[grid](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=LOOPED_RBLOCK, BIG=_needs_int64(args, xnumel * rnumel),
-                     num_warps=8)
+                     num_warps=16)

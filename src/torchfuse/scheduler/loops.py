@@ -76,9 +76,38 @@ def _merge_dims(members: list[Member], sizes: tuple[Node, ...], prefix: str,
     return members, tuple(sizes)
 
 
+def _stride_of(expr: Node, name: str) -> float:
+    """The constant coefficient of var `name` in an affine index (inf if symbolic, 0 if absent)."""
+    from ..ir.nodes import _terms
+    coef: float = 0
+    for key, c in _terms(expr).items():
+        if any(f.op == "var" and f.arg == name for f in key):
+            coef = c if len(key) == 1 else float("inf")
+    return coef
+
+
+def _reorder_outer(members: list[Member], sizes: tuple[Node, ...]) -> tuple[list[Member], tuple[Node, ...]]:
+    """Loop over the outer dims in the order of the output's memory layout (innermost = smallest
+    stride), so a channels-last or transposed output is written contiguously."""
+    ref = next((m for m in members if m.role in ("pointwise", "inner")), None)
+    if ref is None or len(sizes) < 2:
+        return members, sizes
+    strides = [_stride_of(ref.store, f"x{k}") for k in range(len(sizes))]
+    order = sorted(range(len(sizes)), key=lambda k: -strides[k])
+    if order == list(range(len(sizes))):
+        return members, sizes
+    mapping = {var(f"x{old}"): var(f"x{new}__o") for new, old in enumerate(order)}
+    rename = {var(f"x{new}__o"): var(f"x{new}") for new in range(len(order))}
+    members = [Member(m.buffer, m.role, substitute(substitute(m.body, mapping), rename),
+                      substitute(substitute(m.store, mapping), rename)) for m in members]
+    return members, tuple(sizes[k] for k in order)
+
+
 def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = True) -> LoopPlan:
     members = list(kernel.members)
     outer, inner = kernel.outer, kernel.inner
+    if kernel.kind == "pointwise":
+        members, outer = _reorder_outer(members, outer)
     if merge:
         inner_ranges = {f"y{j}": s for j, s in enumerate(inner)}
         members, outer = _merge_dims(members, outer, "x", inner_ranges)
