@@ -1,0 +1,178 @@
+"""Training through torchfuse (AOTAutograd forward + backward graphs) against eager PyTorch:
+gradients, a few optimizer steps, and BatchNorm in train mode (running statistics) and eval mode
+(the conv-bn folding path)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchfuse
+from torchfuse import counters
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager_before = counters["eager_fallbacks"]
+    yield
+    torch._dynamo.reset()
+    assert counters["eager_fallbacks"] == eager_before, "a graph ran eagerly instead of through torchfuse"
+
+
+def randn(*shape: int) -> torch.Tensor:
+    x = torch.randn(*shape)
+    return torch.where(x.abs() < 1e-3, torch.full_like(x, 0.5), x)
+
+
+def assert_grads_close(model: nn.Module, ref: nn.Module, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    named = dict(ref.named_parameters())
+    checked = 0
+    for name, p in model.named_parameters():
+        r = named[name]
+        assert (p.grad is None) == (r.grad is None), name
+        if r.grad is None:
+            continue
+        assert r.grad.abs().sum() > 0, f"{name}: eager gradient is zero, the test proves nothing"
+        torch.testing.assert_close(p.grad, r.grad, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        checked += 1
+    assert checked == len(named)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 12, d_hidden: int = 32, n_classes: int = 7):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.norm = nn.LayerNorm(d_hidden)
+        self.drop = nn.Dropout(p=0.0)
+        self.fc2 = nn.Linear(d_hidden, n_classes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.drop(F.gelu(self.norm(self.fc1(x))))
+        return F.cross_entropy(self.fc2(h), target)
+
+
+def test_mlp_backward_matches_eager():
+    ref = MLP()
+    model = copy.deepcopy(ref)
+    x, target = randn(10, 12), torch.randint(0, 7, (10,))
+    x_ref, x_tf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    before = counters["graphs_compiled"], counters["kernels_generated"]
+    compiled = torch.compile(model, backend="torchfuse", options={"strict": True})
+    loss = compiled(x_tf, target)
+    loss.backward()
+    loss_ref = ref(x_ref, target)
+    loss_ref.backward()
+    # A forward and a backward graph went through torchfuse and produced kernels.
+    assert counters["graphs_compiled"] - before[0] >= 2
+    assert counters["kernels_generated"] - before[1] >= 2
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+    assert_grads_close(model, ref)
+    torch.testing.assert_close(x_tf.grad, x_ref.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_mlp_sgd_steps_track_eager():
+    ref = MLP()
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="torchfuse", options={"strict": True})
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses, losses_ref = [], []
+    for step in range(4):
+        x, target = randn(10, 12), torch.randint(0, 7, (10,))
+        for m, fn, o, out in ((ref, ref, opt_ref, losses_ref), (model, compiled, opt, losses)):
+            o.zero_grad()
+            loss = fn(x, target)
+            loss.backward()
+            o.step()
+            out.append(loss.item())
+    assert losses_ref[-1] != losses_ref[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(losses_ref), rtol=1e-4, atol=1e-5)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv(x)))
+        h = F.relu(self.bn2(self.conv2(h)) + h)
+        return self.fc(h.mean((2, 3)))
+
+
+def _randomize_bn(m: nn.Module) -> None:
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.uniform_(-0.5, 0.5)
+                mod.running_mean.uniform_(-0.5, 0.5)
+                mod.running_var.uniform_(0.5, 2.0)
+
+
+def test_batchnorm_train_mode_matches_eager():
+    ref = ConvBN()
+    _randomize_bn(ref)
+    model = copy.deepcopy(ref)
+    compiled = torch.compile(model, backend="torchfuse", options={"strict": True})
+    for step in range(2):
+        x = randn(4, 3, 8, 8)
+        out_ref, out = ref(x), compiled(x)
+        torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+        out_ref.square().sum().backward()
+        out.square().sum().backward()
+        for name in ("bn", "bn2"):
+            b, b_ref = getattr(model, name), getattr(ref, name)
+            torch.testing.assert_close(b.running_mean, b_ref.running_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(b.running_var, b_ref.running_var, rtol=1e-5, atol=1e-6)
+            assert int(b.num_batches_tracked) == int(b_ref.num_batches_tracked) == step + 1
+    assert_grads_close(model, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_batchnorm_eval_mode_conv_bn_folding():
+    ref = ConvBN()
+    _randomize_bn(ref)
+    ref.eval()
+    x = randn(2, 3, 8, 8)
+    with torch.no_grad():
+        expected = ref(x)
+        e = torchfuse.explain(ref, x, options={"strict": True})
+    torch.testing.assert_close(e.output, expected, rtol=1e-4, atol=1e-5)
+    before, after = e.graphs[0], e.graphs[1]
+    assert "batch_norm" in before
+    assert "batch_norm" not in after, "the eval-mode batch norms were not folded into the convolutions"
+    assert e.kernels
+    # The running statistics are buffers: eval mode leaves them alone.
+    with torch.no_grad():
+        before_mean = ref.bn.running_mean.clone()
+        out = torch.compile(ref, backend="torchfuse")(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert torch.equal(ref.bn.running_mean, before_mean)
+
+
+def test_dropout_train_mask_consistent_with_grad():
+    """Random masks differ from eager's, but the output and the gradient must use the same mask with
+    eager's scaling 1/(1-p), and about p of the elements must be dropped."""
+    p = 0.25
+
+    def f(x):
+        return F.dropout(x * 2, p, True)
+
+    x = (torch.rand(64, 64) + 0.5).requires_grad_()
+    y = torch.compile(f, backend="torchfuse")(x)
+    y.backward(torch.ones_like(y))
+    keep = y != 0
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.05
+    torch.testing.assert_close(y[keep], (x.detach() * 2 / (1 - p))[keep])
+    torch.testing.assert_close(x.grad, keep.float() * 2 / (1 - p))
