@@ -147,8 +147,6 @@ def test_unknown_option_lists_valid_options():
         torchfuse.compile(chain5, options={"no_such_option": 1})
 
 
-@pytest.mark.xfail(strict=True, reason="TorchfuseBackend.__call__ rebuilds its Config from _config_dict, which "
-                                       "drops fields with a default_factory (cache_dir) when Dynamo passes mode=")
 def test_backend_object_keeps_cache_dir_when_mode_given(tmp_path):
     from torchfuse.frontend.dynamo import TorchfuseBackend
     backend = TorchfuseBackend(torchfuse.Config.from_options({"cache_dir": str(tmp_path)}))
@@ -282,9 +280,6 @@ def test_explain_forced_fallback_option():
     assert "fallback_ops" in e.fallbacks[0].reason
 
 
-@pytest.mark.xfail(strict=True, reason="KernelInfo.nodes of a kernel that computes a graph output lists only the "
-                                       "output node: _lower_output realizes with origins=[a.name], dropping the "
-                                       "origins of the ops fused into it")
 def test_explain_kernel_nodes_list_fused_ops():
     x = randn(4, 8)
     e = torchfuse.explain(chain5, x)
@@ -563,8 +558,6 @@ def test_outputs_aliasing_inputs():
     assert out[0].data_ptr() == x.data_ptr() and out[2].data_ptr() == x[1:].data_ptr()
 
 
-@pytest.mark.xfail(strict=True, reason="views of an intermediate that is itself returned are computed into separate "
-                                       "buffers, so they do not alias it as in eager")
 def test_outputs_viewing_returned_intermediate_alias_it():
     def f(x):
         y = x * 2
@@ -671,9 +664,6 @@ def test_buffer_mutation_in_module():
         torch.testing.assert_close(model.ema, ref.ema)
 
 
-@pytest.mark.xfail(strict=True, reason="unbacked sizes (u0) produced by an ATen fallback (aten.index with a bool "
-                                       "mask, nonzero) are used by the generated wrapper but never bound: "
-                                       "NameError: name 'u0' is not defined at call time")
 def test_data_dependent_output_shape():
     def f(x):
         return x[x > 0].exp() * 2
@@ -684,8 +674,6 @@ def test_data_dependent_output_shape():
     assert_close(out, f(x))
 
 
-@pytest.mark.xfail(strict=True, reason="a captured float .item() returned from the graph (unbacked SymFloat "
-                                       "output) makes lowering guard on it: GuardOnDataDependentSymNode in ir/nodes.py const")
 def test_captured_scalar_output():
     def f(x):
         return x.exp().sum().item(), x * 2

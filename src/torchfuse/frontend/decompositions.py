@@ -26,7 +26,8 @@ DECOMPOSE = [
     aten.leaky_relu, aten.leaky_relu_backward, aten.elu, aten.elu_backward, aten.hardsigmoid,
     aten.hardsigmoid_backward, aten.hardswish, aten.hardswish_backward, aten.hardtanh_backward,
     aten.softplus, aten.softplus_backward, aten.threshold, aten.glu, aten.glu_backward, aten.logit,
-    aten.celu, aten.selu, aten.relu6, aten.prelu, aten.log_sigmoid_forward,
+    aten.celu, aten.selu, aten.relu6, aten.prelu, aten._prelu_kernel, aten._prelu_kernel_backward,
+    aten.log_sigmoid_forward, aten.softshrink, aten.hardshrink,
     # elementwise helpers
     aten.addcmul, aten.addcdiv, aten.lerp, aten.xlogy, aten.clamp_min, aten.clamp_max, aten.rsub,
     aten.triu, aten.tril, aten.masked_fill, aten.square, aten.logaddexp, aten.hypot, aten.nan_to_num,

@@ -44,8 +44,7 @@ class TorchfuseBackend:
 
 def _config_dict(config: Config) -> dict:
     import dataclasses
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-            if getattr(config, f.name) != f.default and f.default is not dataclasses.MISSING}
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
 def torchfuse_backend(gm: fx.GraphModule, example_inputs: list, *, mode: str | None = None,

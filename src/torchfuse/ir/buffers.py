@@ -132,6 +132,7 @@ class FallbackCall:
     kwargs: dict
     outputs: list[str | None]     # buffer name per output (None for non-tensor outputs)
     reason: str
+    binds: list[tuple[str, str, int]] = field(default_factory=list)   # (symbol, buffer, dim) known after the call
 
     def __str__(self) -> str:
         return f"{', '.join(o or '_' for o in self.outputs)} = {self.target}(...)  # ATen: {self.reason}"

@@ -168,9 +168,31 @@ def _bitwise_not(lw, x):
 # binary math
 # --------------------------------------------------------------------------------------------
 
+# Ops for which eager first converts every operand (Python scalars and 0-d tensors included) to a
+# fp16/bf16 common dtype, so a scalar like 0.1 is rounded before use: computing with the fp32 scalar
+# instead flips comparisons (h == 0.1) and shifts remainders by up to the divisor.
+ROUND_OPERANDS = {"eq", "ne", "lt", "le", "gt", "ge", "remainder", "fmod", "atan2"}
+
+
+def _round_operand(x: Any, dtype: torch.dtype) -> Any:
+    """`x` as eager sees it after conversion to the low-precision common `dtype`."""
+    if isinstance(x, bool) or x is None:
+        return x
+    if isinstance(x, (int, float)):
+        return float(torch.tensor(x, dtype=dtype))
+    if isinstance(x, TensorValue) and x.dtype != dtype:
+        return ComputedValue(x.shape, dtype, lambda idx: cast(x.load(idx), dtype))
+    if isinstance(x, Node) and x.dtype != dtype:
+        return cast(x, dtype)
+    return x
+
+
 def _binary(name: str, kind: ELEMENTWISE_TYPE_PROMOTION_KIND = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT) -> Callable:
     def lower(lw: GraphLowering, a: Any, b: Any) -> ComputedValue:
-        compute = upcast(promoted_dtype([a, b], kind))
+        promoted = promoted_dtype([a, b], kind)
+        if promoted in LOW_PRECISION and name in ROUND_OPERANDS:
+            a, b = _round_operand(a, promoted), _round_operand(b, promoted)
+        compute = upcast(promoted)
         if name in ("add", "mul") and compute == torch.bool:
             bool_name = "or" if name == "add" else "and"
             return pointwise(lw, [a, b], lambda x, y: op(bool_name, x, y, dtype=torch.bool), compute=compute)

@@ -383,6 +383,39 @@ def _slice_scatter(lw, x, src, dim=0, start=None, end=None, step=1):
     return ComputedValue(lw.out_shape(), x.dtype, body)
 
 
+@register(aten.scatter.value)
+def _scatter_value(lw, x, dim, index, value):
+    """out = x with `value` written at index[..., j, ...] along `dim` (a one-hot, as in the backward
+    of nll_loss): every output element compares its position with the few indices of its row."""
+    dim = _norm(dim, max(x.ndim, 1))
+    if x.ndim == 0 or index.ndim != x.ndim:
+        raise Unsupported("scatter of a 0-d tensor")
+    k = index.shape[dim]
+    if k.op != "const" or k.arg > 8:
+        raise Unsupported("scatter with many (or a symbolic number of) indices per row")
+    dtype = x.dtype
+    fill = cast(value, dtype) if isinstance(value, Node) else const(value, dtype)
+
+    def body(idx):
+        inside = None               # index may be smaller than x along the other dims
+        for d in range(x.ndim):
+            if d != dim and index.shape[d] != x.shape[d]:
+                c = op("lt", idx[d], index.shape[d], dtype=torch.bool)
+                inside = c if inside is None else op("and", inside, c, dtype=torch.bool)
+        hit = None
+        for j in range(k.arg):
+            sub = list(idx)
+            sub[dim] = const(j)
+            target = cast(index.load(sub) if inside is None else masked(index, sub, inside), INDEX)
+            h = op("eq", target, idx[dim], dtype=torch.bool)
+            if inside is not None:
+                h = op("and", inside, h, dtype=torch.bool)
+            hit = h if hit is None else op("or", hit, h, dtype=torch.bool)
+        base = x.load(list(idx))
+        return base if hit is None else where(hit, fill, base)
+    return ComputedValue(lw.out_shape(), dtype, body)
+
+
 # --------------------------------------------------------------------------------------------
 # indirect loads: gather, index_select, advanced indexing, embedding
 # --------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class GraphLowering:
             elif node.op == "call_function":
                 self._lower_call(node)
             elif node.op == "output":
-                outputs = [self._lower_output(a) for a in node.args[0]]
+                outputs = self._lower_outputs(list(node.args[0]))
             else:
                 raise Unsupported(f"fx node kind {node.op}")
         self.current = None
@@ -309,6 +309,10 @@ class GraphLowering:
             if self.env[node] is None:
                 raise Unsupported(f"getitem on {type(base)}")
             return
+        if target in _RUNTIME_CHECKS or (isinstance(val, (bool, torch.SymBool)) and
+                                         getattr(target, "__module__", "") == "_operator"):
+            self.env[node] = None          # shape assertions: Dynamo's guards already hold them
+            return
         if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) and not isinstance(val, torch.Tensor):
             self.env[node] = sym_to_node(val)           # size arithmetic: sym_size, operator.mul, ...
             return
@@ -360,6 +364,7 @@ class GraphLowering:
         vals = list(val) if isinstance(val, (list, tuple)) else [val]
         outputs: list[str | None] = []
         values: list[Any] = []
+        binds: list[tuple[str, str, int]] = []
         for v in vals:
             if isinstance(v, torch.Tensor):
                 name = self.new_name()
@@ -367,12 +372,58 @@ class GraphLowering:
                 self.buffer_meta[name] = (layout.sizes, layout.strides, v.dtype, v.device)
                 outputs.append(name)
                 values.append(StridedValue(name, layout, v.dtype))
+                for d, size in enumerate(v.shape):     # data-dependent sizes (nonzero, masked_select)
+                    sname = _plain_symbol(size)
+                    if sname is not None and sname not in self.symbols:
+                        self.symbols[sname] = (-1, "runtime", 0)
+                        binds.append((sname, name, d))
+            elif isinstance(v, torch.SymInt) and _plain_symbol(v) and _plain_symbol(v) not in self.symbols:
+                # a data-dependent int (e.g. .item()): the wrapper binds it by name after the call
+                outputs.append(_plain_symbol(v))
+                self.symbols[_plain_symbol(v)] = (-1, "runtime", 0)
+                values.append(sym_to_node(v))
+            elif isinstance(v, (torch.SymFloat, torch.SymBool)):
+                raise Unsupported(f"{node.target} returns a data-dependent {type(v).__name__}")
             else:
                 outputs.append(None)
                 values.append(sym_to_node(v) if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) else v)
-        self.steps.append(FallbackCall(node.name, node.target, args, kwargs, outputs, reason))
+        self.steps.append(FallbackCall(node.name, node.target, args, kwargs, outputs, reason, binds))
         self.fallback_reasons.append((node.name, str(node.target), reason))
         self.env[node] = type(val)(values) if isinstance(val, (list, tuple)) else values[0]
+
+    def _lower_outputs(self, outs: list) -> list:
+        """Lower graph outputs; an output that views another output's storage stays a view of it."""
+        from torch.multiprocessing.reductions import StorageWeakRef
+        results: list[Any] = [None] * len(outs)
+        bases: dict[Any, tuple[fx.Node, str]] = {}
+        order = sorted(range(len(outs)), key=lambda i: getattr(meta_val(outs[i]), "_base", None) is not None
+                       if isinstance(outs[i], fx.Node) else True)
+        for i in order:
+            a = outs[i]
+            meta = meta_val(a) if isinstance(a, fx.Node) else None
+            key = None
+            if isinstance(meta, torch.Tensor) and isinstance(self.env.get(a), ComputedValue):
+                try:
+                    key = StorageWeakRef(meta.untyped_storage())
+                except Exception:
+                    key = None
+            if key is not None and key in bases:
+                base_node, base_name = bases[key]
+                bmeta = meta_val(base_node)
+                blay = self.buffer_meta.get(base_name)
+                if blay is not None and tuple(blay[0]) == shape_of(bmeta) and tuple(blay[1]) == layout_of(bmeta).strides:
+                    try:
+                        off = sym_to_node(meta.storage_offset()) - sym_to_node(bmeta.storage_offset())
+                        name = self.new_name("view")
+                        self.steps.append(AliasView(name, base_name, Layout(shape_of(meta), layout_of(meta).strides, off)))
+                        results[i] = name
+                        continue
+                    except Unsupported:
+                        pass
+            results[i] = self._lower_output(a)
+            if key is not None and isinstance(results[i], str) and results[i] in self.buffer_meta:
+                bases.setdefault(key, (a, results[i]))
+        return results
 
     def _lower_output(self, a: Any) -> Any:
         if a is None:
@@ -389,13 +440,27 @@ class GraphLowering:
             # Produce exactly eager's strides (even a non-dense view's): AOTAutograd traced the
             # backward graph, which may read this output, with those strides.
             layout = layout_of(meta) if is_dense(meta) or is_non_overlapping(meta) else None
-            value = self.realize(value, layout=layout, origins=[a.name])
+            value = self.realize(value, layout=layout, origins=value.origins or [a.name])
         ref = self.as_buffer_ref(value)
         if ref.layout is None:
             return ref.buffer
         name = self.new_name("view")
         self.steps.append(AliasView(name, ref.buffer, ref.layout))
         return name
+
+
+_RUNTIME_CHECKS = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
+                   aten._assert_tensor_metadata.default}
+
+
+def _plain_symbol(v: Any) -> str | None:
+    """The name of a SymInt that is a bare symbol (s0, u0), else None."""
+    if isinstance(v, torch.SymInt):
+        import sympy
+        expr = v.node.expr
+        if isinstance(expr, sympy.Symbol):
+            return expr.name
+    return None
 
 
 def _tag_origins(result: Any, name: str, args: Any) -> None:

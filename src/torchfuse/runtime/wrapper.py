@@ -81,6 +81,8 @@ class WrapperBuilder:
         if names:
             L.append(f"    {', '.join(names)}, = args")
         for sym_name, (pos, kind, dim) in sorted(p.symbols.items()):
+            if kind == "runtime":
+                continue          # bound by the fallback that produces it
             src = f"in{pos}.size({dim})" if kind == "size" else f"in{pos}.stride({dim})" if kind == "stride" \
                 else f"int(in{pos})"
             L.append(f"    {sym_name} = {src}")
@@ -145,10 +147,11 @@ class WrapperBuilder:
         args = ", ".join(self.arg(a) for a in item.args)
         kwargs = ", ".join(f"{k}={self.arg(v)}" for k, v in item.kwargs.items())
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
-        tensors = [o for o in item.outputs if o is not None]
-        if len(item.outputs) == 1 and tensors:
-            L.append(f"    {tensors[0]} = {call}")
-        elif tensors:
+        tensors = [o for o in item.outputs if o is not None and o in self.program.buffer_meta]
+        named = [o for o in item.outputs if o is not None]
+        if len(item.outputs) == 1 and named:
+            L.append(f"    {named[0]} = {call}")
+        elif named:
             tmp = f"_r_{item.node_name}"
             L.append(f"    {tmp} = {call}")
             for k, o in enumerate(item.outputs):
@@ -156,6 +159,8 @@ class WrapperBuilder:
                     L.append(f"    {o} = {tmp}[{k}]")
         else:
             L.append(f"    {call}")
+        for sym_name, buf, dim in item.binds:
+            L.append(f"    {sym_name} = {buf}.size({dim})")
         for o in tensors:
             # Kernels index this buffer with the strides the fake tensor predicted; ATen almost
             # always agrees, and when it does not we restride once rather than read garbage.
@@ -184,16 +189,27 @@ class WrapperBuilder:
                 visit(item.args, pos)
                 visit(list(item.kwargs.values()), pos)
                 for o in item.outputs:
-                    if o is not None:
+                    if o is not None and o in self.program.buffer_meta:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
         return {b: p for b, p in last.items() if not b.startswith("in")}
 
 
 def _restride(t: torch.Tensor, size, stride) -> torch.Tensor:
-    out = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
+    """A copy of `t` laid out with exactly `stride` (which kernels were generated for)."""
+    expanded = [d for d, (sz, st) in enumerate(zip(size, stride)) if st == 0 and sz > 1]
+    if not expanded:
+        out = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
+        out.copy_(t)
+        return out
+    # An expanded (stride-0) layout: keep one copy of the repeated values and expand it again.
+    src = t
+    for d in expanded:
+        src = src.narrow(d, 0, 1)
+    compact = torch.empty_strided(src.shape, [1 if d in expanded else st for d, st in enumerate(stride)],
+                                  dtype=t.dtype, device=t.device)
+    compact.copy_(src)
+    return compact.expand(size)
 
 
 def make_callable(source: str, globals_: dict[str, Any], kernels: dict[str, Callable]) -> Callable:
