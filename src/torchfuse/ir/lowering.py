@@ -313,6 +313,9 @@ class GraphLowering:
                                          getattr(target, "__module__", "") == "_operator"):
             self.env[node] = None          # shape assertions: Dynamo's guards already hold them
             return
+        if isinstance(val, torch.SymFloat):
+            self.env[node] = _symfloat_to_node(val)       # e.g. sym_float(s0) as a mean's divisor
+            return
         if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) and not isinstance(val, torch.Tensor):
             self.env[node] = sym_to_node(val)           # size arithmetic: sym_size, operator.mul, ...
             return
@@ -451,6 +454,17 @@ class GraphLowering:
 
 _RUNTIME_CHECKS = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,
                    aten._assert_tensor_metadata.default}
+
+
+def _symfloat_to_node(v: "torch.SymFloat") -> Node:
+    """A float computed from sizes (ToFloat(s0)) as a float64 Node; anything else is unsupported."""
+    hint = v.node.maybe_as_float() if hasattr(v.node, "maybe_as_float") else None
+    if hint is not None:
+        return const(hint, torch.float64)
+    expr = v.node.expr
+    if type(expr).__name__ == "ToFloat":
+        return Node("cast", (_sympy_to_node(expr.args[0]),), torch.float64, torch.float64)
+    raise Unsupported(f"symbolic float {expr}")
 
 
 def _plain_symbol(v: Any) -> str | None:
