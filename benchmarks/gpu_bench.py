@@ -51,6 +51,46 @@ def first_call(fn, *args) -> tuple[callable, float]:
     return fn, time.perf_counter() - t
 
 
+ERRORS: list[str] = []
+
+
+def _log_error(what: str, e: BaseException) -> None:
+    import traceback
+    ERRORS.append(f"## {what}\n{''.join(traceback.format_exception(e))[-4000:]}")
+    print(f"{what}: {type(e).__name__}: {str(e)[:200]}")
+
+
+def launch_overhead(rows) -> None:
+    """Per-call host overhead on a tiny tensor: the GPU finishes instantly, so time = host path."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x, o, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(o + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+
+    x = torch.randn(1024, device="cuda")
+    o = torch.empty_like(x)
+    fn = lambda t: t + 1
+    cases = {"eager": fn, "triton direct": lambda t: add_one[(1,)](t, o, 1024, BLOCK=1024)}
+    torch._dynamo.reset()
+    cases["inductor"] = torch.compile(fn)
+    cases["torchfuse"] = torch.compile(fn, backend="torchfuse")
+    for label, f in cases.items():
+        for _ in range(20):
+            f(x)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            f(x)
+        torch.cuda.synchronize()
+        us = (time.perf_counter() - t) / 2000 * 1e6
+        rows.append([f"launch overhead: {label}", "1024", "float32", f"{us / 1e3:.4f}", "", "", "", "", "", "", ""])
+        print(rows[-1], flush=True)
+    torch._dynamo.reset()
+
+
 def copy_bandwidth() -> float:
     x = torch.randn(256 * 1024 * 1024 // 4 * 4, device="cuda")
     y = torch.empty_like(x)
@@ -79,8 +119,10 @@ WORKLOADS = {
 SHAPES = [(8192, 8192), (16384, 1000), (4096, 32768), (32768, 768)]
 
 
-def run_kernels(shapes, dtypes, copy_gbs, rows):
+def run_kernels(shapes, dtypes, copy_gbs, rows, only=None):
     for name, (fn, make, nbytes) in WORKLOADS.items():
+        if only and name not in only:
+            continue
         for dtype in dtypes:
             for shape in shapes:
                 args = make(shape, dtype)
@@ -96,7 +138,7 @@ def run_kernels(shapes, dtypes, copy_gbs, rows):
                         results[label] = (bench(compiled, *args), ctime)
                     except Exception as e:  # keep the table going; report the failure
                         results[label] = (float("nan"), float("nan"))
-                        print(f"{name} {shape} {dtype} {label}: {type(e).__name__}: {str(e)[:200]}")
+                        _log_error(f"{name} {shape} {dtype} {label}", e)
                     torch._dynamo.reset()
                 e_ms, i_ms, t_ms = results["eager"][0], results["inductor"][0], results["torchfuse"][0]
                 rows.append([name, "x".join(map(str, shape)), str(dtype).replace("torch.", ""),
@@ -139,7 +181,7 @@ def run_models(rows):
                     results[label] = (bench(compiled, *args, reps=10, inner=3), ctime)
                 except Exception as e:
                     results[label] = (float("nan"), float("nan"))
-                    print(f"{name} {label}: {type(e).__name__}: {str(e)[:300]}")
+                    _log_error(f"{name} {label}", e)
         e_ms, i_ms, t_ms = (results[k][0] for k in ("eager", "inductor", "torchfuse"))
         rows.append([name, "", "", f"{e_ms:.2f}", f"{i_ms:.2f}", f"{t_ms:.2f}", "", "", f"{i_ms / t_ms:.2f}",
                      f"{results['inductor'][1]:.1f}", f"{results['torchfuse'][1]:.1f}"])
@@ -152,15 +194,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", action="store_true")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--only", help="comma-separated workload names")
     ap.add_argument("--out")
     a = ap.parse_args()
     copy_gbs = copy_bandwidth()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}")
     rows: list[list[str]] = []
+    launch_overhead(rows)
     if not a.no_kernels:
         shapes = SHAPES[:2] if a.quick else SHAPES
         dtypes = [torch.float32, torch.bfloat16]
-        run_kernels(shapes, dtypes, copy_gbs, rows)
+        run_kernels(shapes, dtypes, copy_gbs, rows, a.only.split(",") if a.only else None)
     if a.models:
         run_models(rows)
     head = ["workload", "shape", "dtype", "eager ms", "inductor ms", "torchfuse ms", "inductor %copy",
@@ -173,6 +217,8 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
+        with open(os.path.splitext(a.out)[0] + "_errors.txt", "w") as f:
+            f.write("\n\n".join(ERRORS) + "\n")
 
 
 if __name__ == "__main__":

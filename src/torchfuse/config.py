@@ -43,6 +43,10 @@ class Config:
     # --- graph passes ------------------------------------------------------------------------
     passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "dce")
     """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
+    conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
+    """Devices on which conv_bn_fold runs.  Without frozen weights the fold is recomputed every
+    call (two small kernels per convolution); on a GPU those launches cost more than the batch
+    norm they remove, which fuses into the following ReLU anyway."""
 
     # --- fusion ---------------------------------------------------------------------------------
     fuse: bool = True
@@ -82,7 +86,7 @@ class Config:
         for key in ("cache_dir", "debug_dir"):
             if key in merged:
                 merged[key] = Path(merged[key])
-        for key in ("cxx_flags", "passes", "fallback_ops"):
+        for key in ("cxx_flags", "passes", "fallback_ops", "conv_bn_fold_devices"):
             if key in merged:
                 merged[key] = tuple(merged[key])
         return Config(**merged)

@@ -63,7 +63,9 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     t0 = time.perf_counter()
     before = gm.print_readable(print_output=False)
     debug.write("aten_graph.txt", before)
-    records = run_passes(gm, config.passes, PassContext(inference=inference))
+    device = _graph_device(gm)
+    passes = [p for p in config.passes if p != "conv_bn_fold" or device in config.conv_bn_fold_devices]
+    records = run_passes(gm, passes, PassContext(inference=inference))
     after = gm.print_readable(print_output=False)
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
     if report is not None:
@@ -161,6 +163,14 @@ def _canonical(src: str, name: str, bufs: list[str]) -> str:
     mapping = {b: f"arg{i}" for i, b in enumerate(bufs)}
     src = re.sub(r"\b(?:in|buf|const)\d+\b", lambda m: mapping.get(m.group(0), m.group(0)), src)
     return re.sub(rf"\b{name}\b", "KERNEL", src)
+
+
+def _graph_device(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor):
+            return val.device.type
+    return "cpu"
 
 
 def program_device(program) -> str:

@@ -14,7 +14,7 @@ from ..config import Config
 from ..counters import counters
 
 # Rows up to this many elements are reduced by the persistent kernel (whole row in registers).
-PERSISTENT_LIMIT = 16384
+PERSISTENT_LIMIT = 32768
 LOOPED_RBLOCK = 2048
 POINTWISE_XBLOCK = 1024
 
