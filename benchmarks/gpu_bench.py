@@ -52,6 +52,7 @@ def first_call(fn, *args) -> tuple[callable, float]:
 
 
 ERRORS: list[str] = []
+TF_MODE: str | None = None
 
 
 def _log_error(what: str, e: BaseException) -> None:
@@ -132,7 +133,7 @@ def run_kernels(shapes, dtypes, copy_gbs, rows, only=None):
                 results = {}
                 for label, make_fn in (("eager", lambda: fn),
                                        ("inductor", lambda: torch.compile(fn)),
-                                       ("torchfuse", lambda: torch.compile(fn, backend="torchfuse"))):
+                                       ("torchfuse", lambda: torch.compile(fn, backend="torchfuse", mode=TF_MODE))):
                     try:
                         compiled, ctime = first_call(make_fn(), *args)
                         results[label] = (bench(compiled, *args), ctime)
@@ -196,7 +197,10 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--only", help="comma-separated workload names")
     ap.add_argument("--out")
+    ap.add_argument("--torchfuse-mode", default=None, help="e.g. max-autotune-no-cudagraphs")
     a = ap.parse_args()
+    global TF_MODE
+    TF_MODE = a.torchfuse_mode
     copy_gbs = copy_bandwidth()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s on {torch.cuda.get_device_name()}")
     rows: list[list[str]] = []
@@ -219,6 +223,9 @@ def main() -> None:
             f.write(text + "\n")
         with open(os.path.splitext(a.out)[0] + "_errors.txt", "w") as f:
             f.write("\n\n".join(ERRORS) + "\n")
+        from torchfuse.runtime import triton_launch
+        with open(os.path.splitext(a.out)[0] + "_tuned.txt", "w") as f:
+            f.write("\n".join(f"{k} -> {v}" for k, v in sorted(triton_launch._tuned.items())) + "\n")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,12 @@ class Config:
     parallel_threshold: int = 32768
     """Loops with fewer elements than this run on one thread (OpenMP start-up costs microseconds)."""
 
+    cudagraphs: bool = False
+    """Replay each compiled CUDA graph through a captured CUDA graph (mode="reduce-overhead")."""
+    autotune: bool = False
+    """Benchmark a few block-size configurations per Triton kernel and remember the winner on disk
+    (mode="max-autotune")."""
+
     # --- ops ------------------------------------------------------------------------------------
     fallback_ops: tuple[str, ...] = ()
     """Extra aten op names (e.g. 'aten.gelu.default') to always run through ATen."""
@@ -78,7 +84,12 @@ class Config:
                 env["debug_dir"] = Path(os.environ["TORCHFUSE_DEBUG"])
         if os.environ.get("TORCHFUSE_STRICT", "") not in ("", "0"):
             env["strict"] = True
-        merged = {**env, **dict(options or {})}
+        modes = {None: {}, "default": {}, "reduce-overhead": {"cudagraphs": True},
+                 "max-autotune": {"autotune": True, "cudagraphs": True},
+                 "max-autotune-no-cudagraphs": {"autotune": True}}
+        if mode not in modes:
+            raise ValueError(f"torchfuse: unknown mode {mode!r}; valid modes are {sorted(m for m in modes if m)}")
+        merged = {**env, **modes[mode], **dict(options or {})}
         known = {f.name: f for f in dataclasses.fields(Config)}
         unknown = sorted(set(merged) - set(known))
         if unknown:

@@ -92,3 +92,30 @@ def test_new_batch_size_no_rebuild_cuda():
         x = torch.randn(b, 300, device="cuda")
         _close(f(x), torch.softmax(x * 2, -1) + 1, torch.float32)
     assert torchfuse.counters["kernel_builds"] == builds
+
+
+def test_reduce_overhead_cudagraphs():
+    """mode="reduce-overhead": new addresses, new shapes and input mutation behave as eager."""
+    def f(x, y):
+        y.add_(1)
+        return torch.softmax(x * 2, -1) + y.sum(), x.sum(0)
+
+    cf = torch.compile(f, backend="torchfuse", mode="reduce-overhead")
+    for shape in [(8, 300), (8, 300), (16, 300), (8, 300)]:
+        x = torch.randn(shape, device="cuda")
+        y = torch.randn(shape, device="cuda")
+        y_ref = y.clone()
+        out = cf(x, y)
+        ref = f(x, y_ref)
+        for o, r in zip(out, ref):
+            _close(o, r, torch.float32)
+        _close(y, y_ref, torch.float32)
+    first = out[0].clone()
+    cf(torch.randn(8, 300, device="cuda"), torch.randn(8, 300, device="cuda"))
+    _close(out[0], first, torch.float32)       # a later replay must not overwrite a returned output
+
+
+def test_max_autotune_cuda():
+    x = torch.randn(300, 1000, device="cuda")
+    cf = torch.compile(lambda t: torch.softmax(t, -1), backend="torchfuse", mode="max-autotune-no-cudagraphs")
+    _close(cf(x), torch.softmax(x, -1), torch.float32)

@@ -104,12 +104,13 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
                 from ..codegen import triton as tgen
                 src, bufs, syms = tgen.kernel_source(plan, dtypes)
                 xnumel = py_index(_product(plan.outer))
+                big = _needs_64bit_expr(program, bufs, plan)
                 if kernel.kind == "pointwise":
-                    kernel_calls[kernel.name] = f"_launch_pointwise({kernel.name}, {xnumel}, {', '.join(bufs + syms)})"
+                    kernel_calls[kernel.name] = f"_launch_pointwise({kernel.name}, {xnumel}, {big}, {', '.join(bufs + syms)})"
                 else:
                     rnumel = py_index(_product(plan.inner))
                     kernel_calls[kernel.name] = (f"_launch_reduction({kernel.name}_persistent, {kernel.name}_looped, "
-                                                 f"{xnumel}, {rnumel}, {', '.join(bufs + syms)})")
+                                                 f"{xnumel}, {rnumel}, {big}, {', '.join(bufs + syms)})")
             else:
                 from ..codegen import cpp
                 src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
@@ -151,6 +152,10 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
         counters.bump("eager_fallbacks")
         return _eager(gm)
     call = make_callable(wrapper_src, builder.globals, kernels)
+    if config.cudagraphs and device == "cuda":
+        from .cudagraphs import CudaGraphRunner
+        call = CudaGraphRunner(call, _mutated_inputs(program))
+        return call
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # keep the library alive as long as the callable
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
@@ -158,11 +163,41 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     return call
 
 
+def _needs_64bit_expr(program, bufs: list[str], plan) -> str:
+    """A Python expression: can any element offset of this kernel pass 2**31?  Offsets are at
+    most sum((size-1)*stride) of each buffer's layout (and the loop's own numel); for static
+    shapes this folds to a constant at compile time."""
+    from ..ir.nodes import const
+    from .wrapper import py_index
+    terms = [py_index(_product(plan.outer + plan.inner))]
+    for b in bufs:
+        sizes, strides, _, _ = program.buffer_meta[b]
+        span = const(0)
+        for sz, st in zip(sizes, strides):
+            span = span + (sz - 1) * st
+        terms.append(py_index(span))
+    if all(t.lstrip("-").isdigit() for t in terms):
+        return str(max(int(t) for t in terms) >= 2 ** 31 - 2 ** 20)
+    return f"max({', '.join(terms)}) >= {2 ** 31 - 2 ** 20}"
+
+
 def _canonical(src: str, name: str, bufs: list[str]) -> str:
     import re
     mapping = {b: f"arg{i}" for i, b in enumerate(bufs)}
     src = re.sub(r"\b(?:in|buf|const)\d+\b", lambda m: mapping.get(m.group(0), m.group(0)), src)
     return re.sub(rf"\b{name}\b", "KERNEL", src)
+
+
+def _mutated_inputs(program) -> set[int]:
+    """Inputs written by ATen ops in the graph (AOTAutograd input mutations, e.g. copy_)."""
+    from ..ir.buffers import BufferRef, FallbackCall
+    out: set[int] = set()
+    for step in program.steps:
+        if isinstance(step, FallbackCall) and hasattr(step.target, "_schema") and step.target._schema.is_mutable:
+            first = step.args[0] if step.args else None
+            if isinstance(first, BufferRef) and first.buffer.startswith("in"):
+                out.add(int(first.buffer[2:]))
+    return out
 
 
 def _graph_device(gm: fx.GraphModule) -> str:

@@ -165,7 +165,8 @@ class WrapperBuilder:
             # Kernels index this buffer with the strides the fake tensor predicted; ATen almost
             # always agrees, and when it does not we restride once rather than read garbage.
             sizes, strides, _, _ = self.program.buffer_meta[o]
-            L.append(f"    if {o}.stride() != {_tuple(strides)}: {o} = _restride({o}, {_tuple(sizes)}, {_tuple(strides)})")
+            none_ok = f"{o} is not None and " if len(item.outputs) > 1 else ""   # undefined optional outputs
+            L.append(f"    if {none_ok}{o}.stride() != {_tuple(strides)}: {o} = _restride({o}, {_tuple(sizes)}, {_tuple(strides)})")
 
     def _last_uses(self) -> dict[str, int]:
         last: dict[str, int] = {}
