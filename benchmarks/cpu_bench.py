@@ -11,7 +11,11 @@ For every workload and size the script
     TORCHINDUCTOR_CACHE_DIR and TORCHFUSE_CACHE_DIR point at new temp dirs set at process start;
   * checks each compiled output against eager (max abs difference);
   * times the three implementations interleaved (round-robin blocks of calls, so load from
-    other processes hits all three alike) and reports the median time per call.
+    other processes hits all three alike) and reports the median time per call.  On a small
+    shared machine other processes distort OpenMP timings badly (a parallel region waits for a
+    descheduled thread), so before timing the script waits (briefly) for the machine to go
+    quiet, retries a timing during which other processes were busy, keeps the quietest try, and
+    reports in the "other load" column how many cores other processes used meanwhile.
 
 Ratios are eager/torchfuse and inductor/torchfuse: > 1 means torchfuse is faster.
 A compiler that crashes on a workload gets "error" in the table and its error is printed;
@@ -181,7 +185,7 @@ class ForeignLoad:
         return False
 
 
-_WAIT_BUDGET_S = [240.0]  # total seconds the whole run may spend waiting for quiet / retrying
+_WAIT_BUDGET_S = [150.0]  # total seconds the whole run may spend waiting for quiet / retrying
 
 
 def _wait_for_quiet(max_wait_s: float, threshold: float = 0.15) -> float | None:
@@ -380,12 +384,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated workload names: " + ",".join(w.name for w in WORKLOADS))
     p.add_argument("--out", default=None, help="also write the markdown table to this file")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds of timing per (workload, size); default 0.5 with --quick, else 3")
+                   help="seconds of timing per (workload, size); default 0.5 with --quick, else 2")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads(N) before anything is compiled (default: torch's default)")
     p.add_argument("--wait", type=float, default=None,
                    help="before timing, wait up to this many seconds for other processes to go quiet, "
-                        "and retry a noisy timing (up to 3 tries); default 0 with --quick, else 20 (at most 240 s in all)")
+                        "and retry a noisy timing (up to 3 tries); default 0 with --quick, else 15 (at most 150 s in all)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of compiler errors")
     a = p.parse_args(argv)
     if a.threads:
@@ -398,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown workload(s) {sorted(unknown)}")
         selected = [w for w in WORKLOADS if w.name in wanted]
-    budget = a.budget if a.budget is not None else (0.5 if a.quick else 3.0)
-    max_wait = a.wait if a.wait is not None else (0.0 if a.quick else 20.0)
+    budget = a.budget if a.budget is not None else (0.5 if a.quick else 2.0)
+    max_wait = a.wait if a.wait is not None else (0.0 if a.quick else 15.0)
     attempts = 3 if max_wait > 0 else 1
 
     print(f"machine: {machine_line()}")

@@ -25,6 +25,7 @@ LOOPED_RBLOCK = 2048
 POINTWISE_XBLOCK = 1024
 
 _modules: dict[str, ModuleType] = {}
+_autotune_modules: dict[str, bool] = {}
 _tuned: dict[str, tuple[int, int]] = {}
 _tuned_path: Path | None = None
 
@@ -68,6 +69,7 @@ def load_module(source: str, config: Config) -> ModuleType:
     spec.loader.exec_module(module)     # type: ignore[union-attr]
     module._tf_autotune = config.autotune
     _modules[key] = module
+    _autotune_modules[module.__name__] = config.autotune
     return module
 
 
@@ -100,8 +102,7 @@ def _autotune(kernel: Any, key: str, candidates: list[tuple[int, int]], launch) 
 
 
 def _tuning(kernel: Any) -> bool:
-    import sys
-    return bool(getattr(sys.modules.get(kernel.fn.__module__), "_tf_autotune", False))
+    return _autotune_modules.get(kernel.fn.__module__, False)
 
 
 def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
