@@ -254,8 +254,8 @@ def _time_quietly(fns: dict[str, Callable], args: tuple, budget_s: float, max_wa
 
 
 def _short(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {' '.join(lines[:2])[:240]}"  # Dynamo puts the cause on line 2
 
 
 def run_one(wl: Workload, size, budget_s: float, verbose: bool, max_wait_s: float = 0.0,

@@ -105,13 +105,86 @@ def _tuning(kernel: Any) -> bool:
     return _autotune_modules.get(kernel.fn.__module__, False)
 
 
+# --------------------------------------------------------------------------------------------
+# the lean launch path
+# --------------------------------------------------------------------------------------------
+# `kernel[grid](...)` re-binds and re-specializes every argument in Python on every call (~10-20 us).
+# After the first launch of a specialization we call the compiled binary's launcher directly.
+# Triton's launcher convention has changed between releases, so a fast launcher is only used
+# after it reproduced the slow launch bit for bit once; otherwise that kernel keeps the slow path.
+_fast: dict[tuple, Any] = {}
+
+
+def _spec_key(args: tuple) -> tuple:
+    """What Triton specializes on: 16-byte pointer alignment, ints equal to 1 / divisible by 16."""
+    key = []
+    for a in args:
+        if hasattr(a, "data_ptr"):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            key.append(("b", a))
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+    if a.dtype.is_floating_point:
+        return bool(((a == b) | ((a != a) & (b != b))).all())
+    return torch.equal(a, b)
+
+
+def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
+    import torch
+    try:
+        run, function, meta = binary.run, binary.function, binary.packed_metadata
+    except AttributeError:
+        return False
+    tensors = [a for a in args if hasattr(a, "data_ptr")]
+    torch.cuda.synchronize()
+    expected = [t.clone() for t in tensors]
+    for full in ((*args, *constexprs), args):          # newer Triton: all params; older: runtime ones
+        def fast(grid: tuple, args: tuple, full_len: int = len(full)) -> None:
+            stream = torch.cuda.current_stream().cuda_stream
+            extra = constexprs if full_len != len(args) else ()
+            run(grid[0], grid[1], grid[2], stream, function, meta, None, None, None, *args, *extra)
+        try:
+            fast(grid, args)
+            torch.cuda.synchronize()
+        except Exception:
+            continue
+        if all(_same(t, e) for t, e in zip(tensors, expected)):
+            return fast
+        for t, e in zip(tensors, expected):    # undo whatever the wrong convention wrote
+            t.copy_(e)
+        break
+    return False
+
+
+def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int) -> None:
+    names = ("XBLOCK", "RBLOCK", "BIG")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
+        return
+    key = (id(kernel), constexprs, warps, _spec_key(args))
+    fast = _fast.get(key)
+    if fast:
+        fast(grid, args)
+        return
+    binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
+    if fast is None:
+        _fast[key] = _make_fast(binary, args, constexprs, grid)
+
+
 def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
     if xnumel == 0:
         return
 
     def go(xblock: int, warps: int) -> None:
-        kernel[((xnumel + xblock - 1) // xblock,)](*args, xnumel, 1, XBLOCK=xblock, RBLOCK=1, BIG=big,
-                                                    num_warps=warps)
+        _launch(kernel, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, 1), (xblock, 1, big), warps)
 
     xblock = min(POINTWISE_XBLOCK, _next_pow2(xnumel))
     warps = 4 if xblock >= 512 else 2
@@ -128,8 +201,8 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
         rblock = _next_pow2(max(rnumel, 1))
 
         def go(xblock: int, warps: int) -> None:
-            persistent[((xnumel + xblock - 1) // xblock,)](*args, xnumel, rnumel, XBLOCK=xblock, RBLOCK=rblock,
-                                                            BIG=big, num_warps=warps)
+            _launch(persistent, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, rnumel),
+                    (xblock, rblock, big), warps)
 
         xblock = max(1, min(_next_pow2(xnumel), 4096 // rblock, 64))
         warps = min(16, max(1, xblock * rblock // 512))   # ~16 fp32 elements of the tile per thread
@@ -140,4 +213,4 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
             xblock, warps = _autotune(persistent, key, cands or [(xblock, warps)], go)
         go(xblock, warps)
     else:
-        looped[(xnumel,)](*args, xnumel, rnumel, XBLOCK=1, RBLOCK=LOOPED_RBLOCK, BIG=big, num_warps=16)
+        _launch(looped, (xnumel, 1, 1), (*args, xnumel, rnumel), (1, LOOPED_RBLOCK, big), 16)
