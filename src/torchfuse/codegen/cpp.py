@@ -87,6 +87,79 @@ template <typename T> static inline T tf_rshift(T a, T b) { return (b < 0 || b >
 static inline float tf_sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 static inline double tf_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
+// Branch-free float32 exp/log/tanh/erf that g++ vectorizes inside `omp simd` loops (std::expf
+// stays a scalar call without -ffast-math).  Cephes-style range reduction and polynomials,
+// within ~2 ulp; NaN, +-inf, overflow and subnormal results behave like the C library's.
+static inline float tf_ldexp2(float p, int32_t n) {
+  // p * 2^n, split in two so that 2^n over/underflowing a float exponent still rounds right
+  int32_t h = n >> 1;
+  float s1 = __builtin_bit_cast(float, (h + 127) << 23), s2 = __builtin_bit_cast(float, (n - h + 127) << 23);
+  return p * s1 * s2;
+}
+static inline float tf_expf(float x) {
+  float xc = x < -104.0f ? -104.0f : x;              // (std::fmin/fmax would block vectorization)
+  xc = xc > 89.0f ? 89.0f : xc;
+  float n = std::nearbyint(xc * 1.44269504088896341f);
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f; p = p * r + 8.3334519073E-3f; p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f; p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  float y = tf_ldexp2(p, static_cast<int32_t>(n));
+  return x != x ? x : y;
+}
+static inline float tf_logf(float x) {
+  bool sub = x < 1.17549435e-38f;
+  float xs = sub ? x * 8388608.0f : x;                       // scale subnormals into range
+  int32_t bits = __builtin_bit_cast(int32_t, xs);
+  float e = static_cast<float>(((bits >> 23) & 0xff) - 126) - (sub ? 23.0f : 0.0f);
+  float m = __builtin_bit_cast(float, (bits & 0x807fffff) | 0x3f000000);   // mantissa in [0.5, 1)
+  bool lo = m < 0.707106781186547524f;
+  e = lo ? e - 1.0f : e;
+  m = lo ? m + m - 1.0f : m - 1.0f;
+  float z = m * m;
+  float y = 7.0376836292E-2f;
+  y = y * m - 1.1514610310E-1f; y = y * m + 1.1676998740E-1f; y = y * m - 1.2420140846E-1f;
+  y = y * m + 1.4249322787E-1f; y = y * m - 1.6668057665E-1f; y = y * m + 2.0000714765E-1f;
+  y = y * m - 2.4999993993E-1f; y = y * m + 3.3333331174E-1f;
+  y = y * m * z;
+  y = y - 2.12194440e-4f * e;
+  y = y - 0.5f * z;
+  float r = m + y + 0.693359375f * e;
+  r = x == std::numeric_limits<float>::infinity() ? x : r;
+  r = x == 0.0f ? -std::numeric_limits<float>::infinity() : r;
+  return (x < 0.0f || x != x) ? std::numeric_limits<float>::quiet_NaN() : r;
+}
+static inline float tf_tanhf(float x) {
+  float a = std::fabs(x);
+  float z = x * x;
+  float small = -5.70498872745E-3f;
+  small = small * z + 2.06390887954E-2f; small = small * z - 5.37397155531E-2f;
+  small = small * z + 1.33314422036E-1f; small = small * z - 3.33332819422E-1f;
+  small = small * z * x + x;
+  float big = 1.0f - 2.0f / (tf_expf(2.0f * (a < 10.0f ? a : 10.0f)) + 1.0f);
+  big = std::copysign(big, x);
+  return a < 0.625f ? small : (x != x ? x : big);
+}
+static inline float tf_sigmoidf(float x) { return 1.0f / (1.0f + tf_expf(-x)); }
+static inline float tf_erff(float x) {
+  float a = std::fabs(x);
+  float z = x * x;
+  float small = 7.853861353153693E-5f;
+  small = small * z - 8.010193625184903E-4f; small = small * z + 5.188327685732524E-3f;
+  small = small * z - 2.685381193529856E-2f; small = small * z + 1.128358514861418E-1f;
+  small = small * z - 3.761262582423300E-1f; small = small * z + 1.128379165726710E0f;
+  small = small * x;
+  float t = 1.0f / (1.0f + 0.3275911f * a);
+  float poly = 1.061405429f;
+  poly = poly * t - 1.453152027f; poly = poly * t + 1.421413741f; poly = poly * t - 0.284496736f;
+  poly = poly * t + 0.254829592f;
+  float big = 1.0f - poly * t * tf_expf(-z);
+  big = std::copysign(big, x);
+  return a < 1.0f ? small : (x != x ? x : big);
+}
+
 extern "C" void tf_set_num_threads(int n) { if (n > 0) omp_set_num_threads(n); }
 """
 
@@ -103,6 +176,7 @@ _FN = {
     "clamp_max": "tf_min", "pyfloordiv": "tf_floordiv", "remainder": "tf_remainder", "fmod": "tf_fmod",
     "truncdiv": "tf_truncdiv", "pow": "tf_pow", "lshift": "tf_lshift", "rshift": "tf_rshift",
 }
+_VEC_F32 = {"exp": "tf_expf", "log": "tf_logf", "tanh": "tf_tanhf", "sigmoid": "tf_sigmoidf", "erf": "tf_erff"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
           "gt": ">", "ge": ">=", "and": "&&", "or": "||", "xor": "!=", "bitand": "&", "bitor": "|", "bitxor": "^"}
 
@@ -254,6 +328,8 @@ class Emitter:
         if o == "frac":
             x = self.value(a[0])
             return f"({x} - std::trunc({x}))"
+        if o in _VEC_F32 and dt == torch.float32 and a[0].dtype == torch.float32:
+            return f"{_VEC_F32[o]}({self.value(a[0])})"
         if o in _FN:
             ct = CTYPE[a[0].dtype] if a else CTYPE[dt]
             args = ", ".join(f"static_cast<{ct}>({self.value(x)})" if o in ("maximum", "minimum", "clamp_min",
@@ -307,7 +383,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     em = Emitter(buffer_dtypes)
     em.lines.append(f'extern "C" void {kernel.name}({", ".join(params)}) {{')
     total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
-    para = f"if(({total}) >= {parallel_threshold})"
+    para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
     outer_vars = [f"x{j}" for j in range(len(plan.outer))]
 
     if kernel.kind == "pointwise":
@@ -388,7 +464,7 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
             em.line(f"int64_t {acc}_i = 0;")
             uses_arg = True
         if op in ("max", "min") and dt.is_floating_point:
-            em.line(f"bool {acc}_nan = false;")
+            em.line(f"int32_t {acc}_nan = 0;")
             clauses.append(f"reduction(|:{acc}_nan)")
         clauses.append({"sum": f"reduction(+:{acc})", "prod": f"reduction(*:{acc})", "max": f"reduction(max:{acc})",
                         "min": f"reduction(min:{acc})", "any": f"reduction(||:{acc})", "all": f"reduction(&&:{acc})"
@@ -408,7 +484,7 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
                 cmp = ">" if op == "max" else "<"
                 em.line(f"{acc} = {v} {cmp} {acc} ? {v} : {acc};")
                 if m.body.dtype.is_floating_point:
-                    em.line(f"{acc}_nan |= ({v} != {v});")
+                    em.line(f"{acc}_nan |= static_cast<int32_t>({v} != {v});")
             elif op == "any":
                 em.line(f"{acc} = {acc} || {v};")
             elif op == "all":
