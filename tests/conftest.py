@@ -167,6 +167,19 @@ class TF:
                     signed_zeros=signed_zeros)
         return e
 
+    @staticmethod
+    def check_dynamic(fn: Callable, arg_sets: list[tuple], *, fallbacks: int = 0, atol: float | None = None,
+                      rtol: float | None = None) -> None:
+        """Compile with dynamic shapes once and run every argument tuple: one graph, no recompiles,
+        `fallbacks` ATen ops per run (counted by torchfuse.counters), results equal eager."""
+        compiled = torchfuse.compile(fn, dynamic=True, options={"strict": True})
+        graphs, fb, eager = counters["graphs_compiled"], counters["fallback_ops"], counters["eager_fallbacks"]
+        for args in arg_sets:
+            assert_same(compiled(*args), fn(*args), atol=atol, rtol=rtol)
+        assert counters["eager_fallbacks"] == eager, "the graph ran eagerly"
+        assert counters["graphs_compiled"] - graphs == 1, "expected one dynamic-shape graph for all the shapes"
+        assert counters["fallback_ops"] - fb == fallbacks, "unexpected ATen fallbacks"
+
     @classmethod
     def check_grad(cls, fn: Callable, *args: Any, allow_fallbacks: Iterable[str] = (),
                    atol: float | None = None, rtol: float | None = None) -> torchfuse.Explanation:

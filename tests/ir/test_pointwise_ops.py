@@ -6,7 +6,6 @@ step-sliced, size-1 dims, 0-d, empty).
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -122,7 +121,7 @@ def test_special_values_low_precision(tf):
 def test_isnan_isinf_on_ints_and_bools(tf):
     i, b = tf.rand((5, 3), torch.int32), tf.rand((5, 3), torch.bool)
     tf.check(lambda i, b: (i.isnan(), i.isinf(), i.isfinite(), b.isnan(), b.isfinite(), i.sign(), i.abs(),
-                           i.neg(), b.sign(), b.abs() if False else b.logical_not()), i, b)
+                           i.neg(), b.sign(), b.logical_not()), i, b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,8 +137,10 @@ def _arith(a, b):
 def test_add_sub_mul(tf, dtype):
     # fp16/bf16 get whole numbers: eager's strided (non-vectorized) path rounds alpha * b to the
     # low-precision dtype before adding, its contiguous path does not; whole numbers make both exact
-    vals = (lambda *s: tf.rand(s, torch.int64, low=-50, high=50).to(dtype)) if dtype in (torch.float16, torch.bfloat16) \
-        else (lambda *s: tf.rand(s, dtype, low=-50, high=50))
+    if dtype in (torch.float16, torch.bfloat16):
+        vals = lambda *s: tf.rand(s, torch.int64, low=-50, high=50).to(dtype)  # noqa: E731
+    else:
+        vals = lambda *s: tf.rand(s, dtype, low=-50, high=50)  # noqa: E731
     a, b, at, s = vals(7, 13), vals(13), vals(13, 7).t(), vals()   # contiguous, broadcast, transposed, 0-d
     e = tf.rand((0, 13), dtype)
     fn = lambda a, b, at, s, e: _arith(a, b) + _arith(at, a) + _arith(s, a) + _arith(e, b) + _arith(s, s)  # noqa
@@ -414,7 +415,8 @@ def test_lerp_addcmul_addcdiv(tf, dtype):
     w = tf.rand((7, 1), dtype, low=0, high=1)
     c = tf.rand((7, 13), dtype, low=0.5, high=2)
     tf.check(lambda a, b, w, c: (torch.lerp(a, b, 0.3), torch.lerp(a, b, 0.8), torch.lerp(a, b, w),
-                                 torch.lerp(a.t(), b[:7], 1.5), torch.addcmul(a, b, c), torch.addcmul(a, b, c, value=-0.5),
+                                 torch.lerp(a.t(), b[:7], 1.5), torch.addcmul(a, b, c), torch.addcmul(a, b, c,
+                                 value=-0.5),
                                  torch.addcdiv(a, b, c), torch.addcdiv(a, b, c, value=2.0)), a, b, w, c)
 
 
@@ -534,3 +536,90 @@ def test_input_mutation(tf):
     tf.assert_same(e.output, expected)
     tf.assert_same(x, x_ref)
     assert len(e.kernels) >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_scalar_operands(tf, dtype):
+    """Eager converts scalars (and 0-d / integer tensors) to fp16/bf16 before comparing them or
+    taking remainders: h == 0.1 is true for h = fp16(0.1), and remainder(h, 0.1) divides by fp16(0.1)."""
+    h = torch.tensor([0.1, 0.2, 0.3, 1 / 3, 2.1, 100.1, 2048, 9.0, -7.3, 0.7], dtype=dtype)
+    i = torch.tensor([1, 2049, 3, 300, 257, -5, 7, 8, 9, 10])
+    r = tf.rand((7, 13), dtype, low=-10, high=10)
+
+    def fn(h, i, r):
+        return (h < 0.1, h == 0.1, h <= 0.2, h > 1 / 3, h != 2.1, h >= 100.1, h == 2049, h == torch.tensor(0.1),
+                h < torch.tensor(1 / 3, dtype=torch.float64), h == i, h > i, torch.eq(h, 0.3), torch.remainder(h, 0.1),
+                torch.fmod(h, 0.3), torch.remainder(h, torch.tensor(0.7)), torch.atan2(h, torch.tensor(0.1)),
+                torch.where(h == 0.7, 1.0, 0.0), r > 0.1, torch.remainder(r, 0.3), torch.fmod(r.t(), 0.7), r * 0.1,
+                r + 0.1, r / 0.3, torch.div(r, 0.3, rounding_mode="floor"))
+    tf.check(fn, h, i, r)
+
+
+def test_int_inputs_to_float_math(tf):
+    i = tf.rand((5, 7), torch.int64, low=1, high=9)
+    i32 = tf.rand((7,), torch.int32, low=-9, high=9)
+    b = tf.rand((5, 7), torch.bool)
+    tf.check(lambda i, i32, b: (i.exp(), i.sqrt(), torch.sigmoid(i), i.log(), i32.sin(), torch.erf(i32), i / 2,
+                                1 / i, torch.tanh(b), b.float().exp(), torch.sqrt(b), i32.rsqrt(), i.signbit(),
+                                i32.abs(), i32.neg(), i32.sign(), torch.atan2(i, i32)), i, i32, b)
+
+
+def test_pow_int_negative_exponents(tf):
+    a = torch.tensor([1, -1, 2, -2, 3, 5, 1, -1, 7])
+    e = torch.tensor([-1, -1, -1, -2, -3, 2, -5, -4, 0])
+    tf.check(lambda a, e: (a ** e, torch.pow(a, e), torch.pow(a.int(), e.int()), torch.pow(2, e.abs())), a, e)
+
+
+def test_more_activations_and_losses(tf):
+    x, y = tf.rand((6, 8)), tf.rand((6, 8))
+    w = torch.tensor([0.25])
+    wc = tf.rand((8,))
+
+    def fn(x, y, w, wc):
+        return (F.prelu(x, w), F.prelu(x, wc), F.celu(x, 0.5), torch.logit(torch.sigmoid(x), eps=1e-3), F.softsign(x),
+                F.tanhshrink(x), F.softshrink(x), F.hardshrink(x, 0.7), F.glu(x, -1), F.mse_loss(x, y),
+                F.mse_loss(x, y, reduction="none"), F.l1_loss(x, y), F.smooth_l1_loss(x, y), F.huber_loss(x, y,
+                delta=0.5),
+                F.binary_cross_entropy(torch.sigmoid(x), torch.sigmoid(y)),
+                F.binary_cross_entropy_with_logits(x, torch.sigmoid(y)), torch.xlogy(x.abs(), y.abs()))
+    tf.check(fn, x, y, w, wc, atol=1e-5, rtol=1e-4)
+
+
+def test_batch_norm_inference(tf):
+    x = tf.rand((4, 3, 5, 5))
+    rm, rv, w, b = tf.rand((3,)), tf.rand((3,), low=0.5, high=2), tf.rand((3,)), tf.rand((3,))
+
+    def fn(x, rm, rv, w, b):
+        return (F.batch_norm(x, rm, rv, w, b, training=False, eps=1e-3), F.batch_norm(x[:, :, 0], rm, rv,
+        training=False),
+                F.batch_norm(x[:, :, 0, 0], rm, rv, w, None, training=False),
+                F.batch_norm(x.half(), rm, rv, w, b, training=False), F.relu(F.batch_norm(x, rm, rv, w, b,
+                training=False)))
+    tf.check(fn, x, rm, rv, w, b)
+
+
+def test_pointwise_backward(tf):
+    """Backward graphs of activations (threshold/sigmoid/tanh backward, gelu/silu/... decompositions)."""
+    x = tf.rand((7, 13), low=-4, high=4).requires_grad_()
+    y = tf.rand((13,)).requires_grad_()
+
+    def fn(x, y):
+        return (torch.relu(x) * y, torch.sigmoid(x), torch.tanh(x * y), F.gelu(x), F.gelu(x, approximate="tanh"),
+                F.silu(x), F.mish(x), F.elu(x), F.leaky_relu(x, 0.2), F.hardswish(x), F.hardsigmoid(x),
+                F.softplus(x), F.hardtanh(x), torch.where(x > 0, x * y, x.exp()), x.clamp(-1, 1) / y, x.pow(3), x.abs(),
+                torch.lerp(x, y, 0.3), x.log_softmax(-1))
+    tf.check_grad(fn, x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_float32_transcendentals_wide_range(tf):
+    """exp/log/tanh/sigmoid/erf over their whole float32 range (overflow, underflow to subnormals,
+    subnormal inputs, the polynomial/asymptotic switch points, NaN, +-inf, signed zeros)."""
+    special = torch.tensor([-0.0, 0.0, 1e-30, -1e-30, 1e-45, -1e-45, 0.625, -0.625, 0.6249999, 1.0, -1.0,
+                            0.9999999, 88.7, 89.0, -103.9, -104.0, NAN, INF, -INF])
+    x = torch.cat([torch.linspace(-110, 100, 4001), tf.rand((3000,), low=-6, high=6), special])
+    pos = torch.cat([torch.logspace(-45, 38, 4000), tf.rand((3000,), low=0, high=10),
+                     torch.tensor([1e-45, 1.17549435e-38, 1.1754942e-38, 3.4e38, 0.0, -0.0, 1.0, 2.0, 0.5, 0.70710677,
+                                   0.7071068, 1.0000001, 0.99999994, -1.0, NAN, INF, -INF])])
+
+    tf.check(lambda x, pos: (x.exp(), x.tanh(), x.sigmoid(), torch.erf(x), pos.log()), x, pos, signed_zeros=True)
+    tf.check(lambda x: (F.gelu(x), F.silu(x), F.softplus(x), torch.logsumexp(x[:4001], 0)), x)

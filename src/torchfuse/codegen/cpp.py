@@ -140,7 +140,7 @@ static inline float tf_tanhf(float x) {
   small = small * z * x + x;
   float big = 1.0f - 2.0f / (tf_expf(2.0f * (a < 10.0f ? a : 10.0f)) + 1.0f);
   big = std::copysign(big, x);
-  return a < 0.625f ? small : (x != x ? x : big);
+  return a < 0.625f ? std::copysign(small, x) : (x != x ? x : big);   // copysign: tanh(-0.0) = -0.0
 }
 static inline float tf_sigmoidf(float x) { return 1.0f / (1.0f + tf_expf(-x)); }
 static inline float tf_erff(float x) {

@@ -428,6 +428,8 @@ def _wrap_index(i: Node, size: Node) -> Node:
 
 @register(aten.index_select.default)
 def _index_select(lw, x, dim, index):
+    if x.ndim == 0:       # a 0-d input gives a 0-d output (the index can only be 0 or -1)
+        return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load([]))
     dim = _norm(dim, x.ndim)
     return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(
         list(idx[:dim]) + [_wrap_index(index.load([idx[dim]] if index.ndim else []), x.shape[dim])] + list(idx[dim + 1:])))

@@ -1,0 +1,467 @@
+"""The pending graph of a lazy block: recorded aten ops, their metadata, and flushing.
+
+A recorded op is a `LazyNode`.  Nodes form a DAG through their `inputs`: each input is either a
+real tensor (a graph leaf) or a `(node, k)` reference to output `k` of another node.  There is
+no global "pending graph" object: a flush walks the DAG backwards from the values it needs, so
+only their ancestors are computed and values nobody holds any more are never computed.
+
+Flushing (`flush`) turns the needed sub-DAG into an aten FX graph (make_fx over a replay of the
+ops, which also applies torchfuse's decompositions and gives every node a FakeTensor
+`meta["val"]`), compiles it with `compile_graph`, runs it on the leaves and publishes the results
+into the waiting `LazyTensor` wrappers.  Compiled graphs are cached by a structural signature
+(op sequence with baked-in scalar arguments, how nodes connect, and dtype/size/stride of every
+leaf), so a loop that records the same ops every step compiles once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ..api import Explanation
+from ..config import Config
+from ..counters import counters
+
+if TYPE_CHECKING:
+    from .context import LazyContext
+
+log = logging.getLogger("torchfuse.lazy")
+
+# dtypes the loop IR handles; an op producing anything else (complex, float8, ...) runs eagerly.
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+                              torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool})
+
+Desc = tuple  # (size, stride, storage_offset, dtype) of one output, enough to make its wrapper
+Ref = Any     # an input of a node: a real torch.Tensor or a (LazyNode, output index) tuple
+
+
+class Unrecordable(Exception):
+    """Raised while scanning an op's arguments when the op cannot be deferred."""
+
+
+class Slot:
+    """Placeholder for the i-th tensor argument inside a node's argument template."""
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+_TENSOR_KEY = "\x00T"      # marks a tensor position in a structural key
+
+
+def scan(args: tuple, kwargs: dict, tensors: list) -> tuple[tuple, dict, tuple]:
+    """Split an op's arguments into tensors (appended to `tensors`), a template with `Slot`s in
+    their place (to replay the op later on other tensors) and a hashable key of everything else.
+
+    Scalars are part of the key by value (and type: `x * 2` and `x * 2.0` promote differently);
+    floats by repr so that -0.0 and nan are keyed exactly.
+    """
+    key: list = []
+
+    def conv(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            key.append(_TENSOR_KEY)
+            tensors.append(a)
+            return Slot(len(tensors) - 1)
+        t = type(a)
+        if t is list or t is tuple:
+            key.append((t is list, len(a)))
+            return t(conv(x) for x in a)
+        if t is float:
+            key.append(repr(a))
+        elif a is None or t in (bool, int, str) or isinstance(a, (torch.dtype, torch.device, torch.layout,
+                                                                   torch.memory_format)):
+            key.append((t, a))
+        else:
+            raise Unrecordable(f"argument of type {t.__name__}")
+        return a
+
+    targs = tuple(conv(a) for a in args)
+    tkwargs = {}
+    for name, a in kwargs.items():
+        key.append(name)
+        tkwargs[name] = conv(a)
+    return targs, tkwargs, tuple(key)
+
+
+def fill(template: Any, tensors: list) -> Any:
+    """The inverse of `scan`: put `tensors` back into the `Slot`s of a template."""
+    if type(template) is Slot:
+        return tensors[template.i]
+    if type(template) in (list, tuple):
+        return type(template)(fill(x, tensors) for x in template)
+    return template
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.size(), t.stride(), t.storage_offset())
+
+
+def meta_tensor(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor on the meta device with `t`'s dtype, sizes, strides and storage offset."""
+    size, stride, off = t.size(), t.stride(), t.storage_offset()
+    if off == 0:
+        return torch.empty_strided(size, stride, dtype=t.dtype, device="meta")
+    span = off + 1 + sum((s - 1) * st for s, st in zip(size, stride) if s > 0)
+    return torch.empty((span,), dtype=t.dtype, device="meta").as_strided(size, stride, off)
+
+
+# Output metadata per (op, non-tensor arguments, input metadata): recording the same op on
+# same-shaped inputs again (every step of a loop) skips running the meta kernel.
+_META_CACHE: dict[tuple, tuple[list[Desc], type | None]] = {}
+_META_CACHE_MAX = 65536
+
+
+def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: list,
+                 device_arg: bool) -> tuple[list[Desc], type | None]:
+    """The (size, stride, offset, dtype) of each output of `func` on these inputs, from the meta
+    kernels.  Returns (descs, container type or None for a single tensor)."""
+    key = (func, skel, tuple(tensor_meta(t) for t in tensors))
+    hit = _META_CACHE.get(key)
+    if hit is not None:
+        return hit
+    metas = [meta_tensor(t) for t in tensors]
+    kwargs = fill(tkwargs, metas)
+    if device_arg:
+        kwargs["device"] = "meta"      # factories: never allocate real memory to learn a shape
+    try:
+        out = func(*fill(targs, metas), **kwargs)
+    except Exception as e:            # no meta kernel, data-dependent shape, invalid arguments
+        raise Unrecordable(f"meta: {type(e).__name__}: {e}") from None
+    outs = [out] if isinstance(out, torch.Tensor) else out
+    if not isinstance(outs, (list, tuple)) or not outs or \
+            not all(isinstance(o, torch.Tensor) for o in outs):
+        raise Unrecordable("outputs are not all tensors")
+    descs = [(o.size(), o.stride(), o.storage_offset(), o.dtype) for o in outs]
+    if any(d[3] not in SUPPORTED_DTYPES for d in descs):
+        raise Unrecordable("unsupported dtype")
+    result = (descs, None if isinstance(out, torch.Tensor) else type(out))
+    if len(_META_CACHE) >= _META_CACHE_MAX:
+        _META_CACHE.clear()
+    _META_CACHE[key] = result
+    return result
+
+
+class LazyNode:
+    """One recorded aten op.  `results[k]` holds output k once it has been computed."""
+    __slots__ = ("func", "targs", "tkwargs", "inputs", "skey", "descs", "container", "device",
+                 "is_view", "results", "wrappers", "has_views", "__weakref__")
+
+    def __init__(self, func: Any, targs: tuple, tkwargs: dict, inputs: list[Ref], skey: tuple,
+                 descs: list[Desc], container: type | None, device: torch.device, is_view: bool):
+        self.func, self.targs, self.tkwargs = func, targs, tkwargs
+        self.inputs = inputs
+        self.skey = skey
+        self.descs, self.container = descs, container
+        self.device = device
+        self.is_view = is_view
+        self.results: list[torch.Tensor | None] | None = None
+        self.wrappers: list[weakref.ref | None] = [None] * len(descs)
+        self.has_views = False       # a pending view of this node exists (blocks in-place rebinding)
+
+    def resolved(self, k: int) -> bool:
+        return self.results is not None and self.results[k] is not None
+
+    def name(self) -> str:
+        return str(self.func)
+
+    def call(self, tensors: list) -> list:
+        out = self.func(*fill(self.targs, tensors), **fill(self.tkwargs, tensors))
+        return [out] if self.container is None else list(out)
+
+
+def ref_real(ref: Ref) -> torch.Tensor | None:
+    """The real tensor behind an input reference, or None while it is pending."""
+    if type(ref) is tuple:
+        node, k = ref
+        return node.results[k] if node.results is not None else None
+    return ref
+
+
+def topo(nodes: list[LazyNode]) -> list[LazyNode]:
+    """Pending ancestors of `nodes` (inclusive) in dependency order (iterative: chains of
+    hundreds of ops must not hit Python's recursion limit)."""
+    order: list[LazyNode] = []
+    done: set[int] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack[-1]
+        if id(n) in done:
+            stack.pop()
+            continue
+        pushed = False
+        for ref in n.inputs:
+            if type(ref) is tuple:
+                p, k = ref
+                if not p.resolved(k) and id(p) not in done:
+                    stack.append(p)
+                    pushed = True
+        if not pushed:
+            stack.pop()
+            done.add(id(n))
+            order.append(n)
+    return order
+
+
+def view_root(node: LazyNode, k: int) -> tuple[LazyNode, int] | None:
+    """Follow a chain of pending views up to the pending non-view value it aliases; None when
+    the chain ends at a real tensor (so the view can simply be replayed)."""
+    while not node.resolved(k):
+        if not node.is_view:
+            return node, k
+        ref = node.inputs[0]
+        if type(ref) is not tuple:
+            return None
+        node, k = ref
+    return None
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+# --------------------------------------------------------------------------------------------
+# compiled-graph cache
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Compiled:
+    call: Callable
+    kernels: int
+    graph: str
+    copy_outputs: tuple[int, ...] = ()     # outputs aliasing a leaf or another output: copied
+    checked: bool = False
+
+
+_CACHE: "OrderedDict[tuple, Compiled]" = OrderedDict()
+_CACHE_MAX = 1024
+_CONFIG_TOKENS: dict[Config, int] = {}
+
+
+def config_token(config: Config) -> int:
+    """A small int per distinct Config, so cache keys do not hash the whole Config every flush."""
+    return _CONFIG_TOKENS.setdefault(config, len(_CONFIG_TOKENS))
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+    _META_CACHE.clear()
+
+
+@dataclass
+class FlushRecord:
+    """One flush of a lazy block: why it happened and what it ran."""
+    reason: str
+    ops: int                  # recorded aten ops computed by the flush (graph nodes)
+    outputs: int              # values computed (graph outputs)
+    kernels: int              # kernels of the compiled graph (0: nothing compiled, or eager)
+    cache_hit: bool           # the compiled graph came from the signature cache
+    graph: str | None = None  # compile_graph's name of the graph (also its debug folder name)
+    ms: float = 0.0           # wall time of the flush
+    op_names: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        src = "cached" if self.cache_hit else (self.graph or "compiled")
+        return (f"{self.reason}: {self.ops} op(s) -> {self.outputs} output(s), {self.kernels} kernel(s) "
+                f"[{src}, {self.ms:.2f} ms]")
+
+
+# --------------------------------------------------------------------------------------------
+# flushing
+# --------------------------------------------------------------------------------------------
+
+def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | None") -> None:
+    """Compute the pending `values` (and nothing they do not need) and publish them."""
+    from .context import suspended
+    values = [v for v in values if not v[0].resolved(v[1])]
+    if not values:
+        return
+    with suspended():
+        roots: dict[tuple[int, int], tuple[LazyNode, int]] = {}
+        for node, k in values:
+            r = view_root(node, k)
+            if r is not None:
+                roots.setdefault((id(r[0]), r[1]), r)
+        by_device: dict[torch.device, list[tuple[LazyNode, int]]] = {}
+        for r in roots.values():
+            by_device.setdefault(r[0].device, []).append(r)
+        for device, rs in by_device.items():
+            _run_graph(rs, device, reason, ctx)
+        for node, k in values:
+            _replay_views(node, k)
+
+
+def _replay_views(node: LazyNode, k: int) -> None:
+    """Materialize a pending view by re-applying the view ops to its (now real) base: views stay
+    views of their base's storage, as in eager mode."""
+    chain = []
+    while not node.resolved(k):
+        assert node.is_view, "a non-view value should have been computed by the flush"
+        chain.append(node)
+        node, k = node.inputs[0]
+    for n in reversed(chain):
+        if n.results is None:
+            base = ref_real(n.inputs[0])
+            publish(n, n.call([base]))
+
+
+def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
+    """Store computed outputs in `node` and hand them to its live wrappers."""
+    from .tensor import attach_real
+    if node.results is None:
+        node.results = [None] * len(node.descs)
+    for k, real in enumerate(outs):
+        if real is None or node.results[k] is not None:
+            continue
+        node.results[k] = real
+        ref = node.wrappers[k]
+        w = ref() if ref is not None else None
+        if w is not None and w._lz_node is node:
+            attach_real(w, real)
+    if all(r is not None for r in node.results):
+        # Fully computed: the node is a leaf from now on; drop its inputs so that their memory
+        # (and the whole chain of ancestors) can be freed.
+        node.inputs = []
+        node.targs, node.tkwargs = (), {}
+
+
+def _signature(roots: list[tuple[LazyNode, int]], device: torch.device, token: int
+               ) -> tuple[tuple, list[LazyNode], list[torch.Tensor], list[list]]:
+    order = topo([r[0] for r in roots])
+    index = {id(n): i for i, n in enumerate(order)}
+    leaves: list[torch.Tensor] = []
+    leaf_index: dict[int, int] = {}
+    entries = []
+    codes: list[list] = []
+    for n in order:
+        refs = []
+        for ref in n.inputs:
+            if type(ref) is tuple:
+                p, k = ref
+                if not p.resolved(k):
+                    refs.append((index[id(p)], k))
+                    continue
+                t = p.results[k]
+            else:
+                t = ref
+            j = leaf_index.get(id(t))
+            if j is None:
+                j = leaf_index[id(t)] = len(leaves)
+                leaves.append(t)
+            refs.append(j)
+        codes.append(refs)
+        entries.append((n.skey, tuple(refs)))
+    outs = tuple((index[id(n)], k) for n, k in roots)
+    leaf_key = tuple((t.dtype, t.shape, t.stride()) for t in leaves)
+    return (token, device, leaf_key, tuple(entries), outs), order, leaves, codes
+
+
+def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: str,
+               ctx: "LazyContext | None") -> None:
+    from .context import default_context
+    ctx = ctx or default_context()
+    t0 = time.perf_counter()
+    sig, order, leaves, codes = _signature(roots, device, config_token(ctx.config))
+    entry = _CACHE.get(sig)
+    hit = entry is not None
+    if hit:
+        _CACHE.move_to_end(sig)
+        counters.bump("lazy_cache_hits")
+    else:
+        entry = _compile(order, codes, sig[4], leaves, ctx)
+        _CACHE[sig] = entry
+        if len(_CACHE) > _CACHE_MAX:
+            _CACHE.popitem(last=False)
+    with torch.no_grad():
+        outs = list(entry.call(list(leaves)))
+    if not entry.checked:
+        entry.copy_outputs = _aliasing_outputs(outs, leaves)
+        entry.checked = True
+    for i in entry.copy_outputs:
+        outs[i] = _copy_like(outs[i])
+    # Group outputs per node (a multi-output node may have only some outputs computed).
+    per_node: dict[int, tuple[LazyNode, list]] = {}
+    for (node, k), out in zip(roots, outs):
+        size, stride, _, dtype = node.descs[k]
+        if out.size() != size or out.dtype != dtype:
+            raise RuntimeError(f"torchfuse.lazy: {node.name()} produced {tuple(out.shape)} {out.dtype}, "
+                               f"expected {tuple(size)} {dtype}")
+        if out.stride() != stride and out.numel() > 1:
+            out = torch.empty_strided(size, stride, dtype=dtype, device=out.device).copy_(out)
+        per_node.setdefault(id(node), (node, [None] * len(node.descs)))[1][k] = out
+    for node, outs_k in per_node.values():
+        publish(node, outs_k)
+    counters.bump("lazy_flushes")
+    record = FlushRecord(reason, len(order), len(roots), entry.kernels, hit, None if hit else entry.graph,
+                         1e3 * (time.perf_counter() - t0), [n.name() for n in order])
+    ctx._log_flush(record)
+
+
+def _aliasing_outputs(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> tuple[int, ...]:
+    """Outputs that share memory with a leaf or an earlier output.  Passes may turn `x.clone()`
+    or `x * 1` into `x` itself, and CSE may merge two equal values; each lazy value must own its
+    memory, as it would in eager mode."""
+    seen = {storage_key(t) for t in leaves}
+    bad = []
+    for i, o in enumerate(outs):
+        key = storage_key(o)
+        if key in seen:
+            bad.append(i)
+        seen.add(key)
+    return tuple(bad)
+
+
+def _copy_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _compile(order: list[LazyNode], codes: list[list], outs: tuple, leaves: list[torch.Tensor],
+             ctx: "LazyContext") -> Compiled:
+    """Trace the replay of `order` into an aten graph and compile it with torchfuse."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ..frontend.decompositions import decomposition_table
+    from ..runtime.compiled_graph import compile_graph
+
+    # The replay holds only the ops and their constant arguments (no tensors), so the cached
+    # entry built from it keeps no leaf alive.
+    steps = [(n.func, n.targs, n.tkwargs, n.container, c) for n, c in zip(order, codes)]
+
+    def replay(*leaf_vals: torch.Tensor) -> tuple:
+        env: list[list] = []
+        for func, targs, tkwargs, container, refs in steps:
+            tensors = [env[r[0]][r[1]] if type(r) is tuple else leaf_vals[r] for r in refs]
+            out = func(*fill(targs, tensors), **fill(tkwargs, tensors))
+            env.append([out] if container is None else list(out))
+        return tuple(env[i][k] for i, k in outs)
+
+    report = Explanation()
+    try:
+        with torch.no_grad():
+            gm = make_fx(replay, decomposition_table=decomposition_table(), tracing_mode="fake")(*leaves)
+        call = compile_graph(gm, ctx.config, inference=True, kind="lazy", report=report)
+    except Exception as e:
+        if ctx.config.strict:
+            raise
+        # Tracing failed (a decomposition or meta function we do not handle): run the ops
+        # eagerly, so the block still computes the right values, and say so once per graph.
+        warnings.warn(f"torchfuse.lazy: a pending graph of {len(order)} op(s) runs eagerly: "
+                      f"{type(e).__name__}: {e}")
+        counters.bump("eager_fallbacks")
+
+        def call(args: list) -> tuple:
+            vals = list(args)
+            args.clear()
+            return replay(*vals)
+        return Compiled(call, 0, "eager")
+    name = report.graphs[0].split(":")[0].lstrip("# ") if report.graphs else "graph"
+    ctx._log_compile(report)
+    log.debug("lazy: compiled %s with %d op(s), %d kernel(s)", name, len(order), len(report.kernels))
+    return Compiled(call, len(report.kernels), name)

@@ -1,0 +1,386 @@
+"""What happens to each aten op inside a lazy block: record it, or run it eagerly.
+
+`LazyMode` is a TorchDispatchMode pushed by `torchfuse.lazy()`.  It sees every aten op (after
+autograd), on plain tensors and on `LazyTensor`s alike, and decides:
+
+* record: a fusible op (one torchfuse lowers, or decomposes into ops it lowers; not random, not
+  mutating) whose tensors are all strided, on one CPU/CUDA device, and need no autograd.  The
+  output metadata comes from the op's meta kernel; the outputs are new pending `LazyTensor`s.
+  A view of a *real* tensor is not recorded: running it is free and keeps later graphs smaller.
+* record functionally: an in-place op (`y.add_(1)`) on a pending value that nothing else
+  aliases: `y` is re-pointed at a recorded out-of-place `add`.
+* run eagerly: everything else.  Pending inputs are computed first (one flush for all of them);
+  before an op mutates memory, every pending value that read that memory through a computation
+  is computed, so it sees the old contents as it would have in eager mode.
+
+Autograd: an op whose tensors require grad (with grad mode on) runs eagerly, as does anything
+inside a backward pass, so autograd records exactly what it records in eager mode.  Only the
+no-grad parts of a program are fused.  Random ops run eagerly (same random stream as eager).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .graph import LazyNode, Unrecordable, flush, output_descs, ref_real, scan, storage_key, topo, view_root
+from .tensor import LazyTensor, materialized_wrapper, new_wrapper, sync_storage, unwrap
+
+if TYPE_CHECKING:
+    from .context import LazyContext
+
+log = logging.getLogger("torchfuse.lazy")
+aten = torch.ops.aten
+
+
+class LazyMode(TorchDispatchMode):
+    def __init__(self, ctx: "LazyContext"):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return dispatch(self.ctx, func, args, kwargs or {})
+
+
+# --------------------------------------------------------------------------------------------
+# per-op facts, computed once per OpOverload
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class OpInfo:
+    fusible: bool
+    is_view: bool
+    mutated: tuple[tuple[int, str], ...]          # (position, name) of arguments written
+    alias_returns: tuple[tuple[int, int, str], ...]  # (return index, arg position, arg name)
+    functional: Any                               # out-of-place op of an in-place self-op
+    device_arg: bool                              # has a `device=` argument (factories)
+
+
+# Ops with a lowering that must still run eagerly.
+_NEVER_DEFER = {
+    # uninitialized memory: nothing to fuse, and deferring only delays the allocation
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+    # training batch norm writes its running statistics (its schema does not say so)
+    "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit_functional",
+    "aten::lift_fresh_copy",
+}
+
+_INFO: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = _make_info(func)
+    return info
+
+
+def _fusible_target(func: Any) -> bool:
+    from ..frontend.decompositions import decomposition_table
+    from ..ir import lower_ops  # noqa: F401  (registers the lowerings)
+    from ..ir.lowering import LOWERINGS
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    schema = func._schema
+    if schema.is_mutable or schema.name in _NEVER_DEFER or torch.Tag.nondeterministic_seeded in func.tags:
+        return False
+    return func in LOWERINGS or func in decomposition_table()
+
+
+def _make_info(func: Any) -> OpInfo:
+    if not isinstance(func, torch._ops.OpOverload):
+        return OpInfo(False, False, (), (), None, False)
+    schema = func._schema
+    mutated = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                    if a.alias_info is not None and a.alias_info.is_write)
+    alias_returns = []
+    for r, ret in enumerate(schema.returns):
+        if ret.alias_info is not None and ret.alias_info.is_write:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.before_set == ret.alias_info.before_set:
+                    alias_returns.append((r, i, a.name))
+                    break
+    functional = None
+    if mutated == ((0, "self"),) and len(schema.returns) == 1 and schema.name.endswith("_"):
+        try:
+            packet = getattr(torch.ops.aten, schema.name.split("::")[1][:-1])
+            functional = getattr(packet, func._overloadname)
+        except AttributeError:
+            functional = None
+        if functional is not None and not _fusible_target(functional):
+            functional = None
+    return OpInfo(_fusible_target(func), bool(func.is_view), mutated, tuple(alias_returns), functional,
+                  any(a.name == "device" for a in schema.arguments))
+
+
+# --------------------------------------------------------------------------------------------
+# the dispatch decision
+# --------------------------------------------------------------------------------------------
+
+def dispatch(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict) -> Any:
+    info = _INFO.get(func) or op_info(func)
+    why = None
+    if info.fusible:
+        if ctx.forced_fallbacks and str(func) in ctx.forced_fallbacks:
+            why = "in options['fallback_ops']"
+        else:
+            out, why = _try_record(ctx, func, info, args, kwargs)
+            if why is None:
+                return out
+    elif info.functional is not None and type(args[0]) is LazyTensor and args[0]._lz_real is None:
+        out, why = _try_record_inplace(ctx, func, info, args, kwargs)
+        if why is None:
+            return out
+    return eager_call(func, args, kwargs, ctx, why=why)
+
+
+def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
+                ) -> tuple[Any, str | None]:
+    tensors: list = []
+    try:
+        targs, tkwargs, skel = scan(args, kwargs, tensors)
+    except Unrecordable as e:
+        return None, str(e)
+    device = None
+    pending = False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        tp = type(t)
+        if tp is LazyTensor:
+            if t._lz_real is None:
+                pending = True
+        elif tp is not torch.Tensor and tp is not torch.nn.Parameter:
+            return None, f"tensor subclass {tp.__name__}"
+        if grad and t.requires_grad:
+            return None, "needs autograd"
+        if t.layout is not torch.strided:
+            return None, "not strided"
+        d = t.device
+        if device is None:
+            device = d
+        elif d != device:
+            return None, "mixed devices"
+    if device is None:                       # a factory: torch.zeros(...), torch.arange(...)
+        dev = kwargs.get("device")
+        device = torch.device(dev) if dev is not None else torch.get_default_device()
+        if device.type != "cpu":
+            return None, "factory on a non-CPU device"
+    elif device.type not in ("cpu", "cuda"):
+        return None, f"device {device.type}"
+    elif info.device_arg and kwargs.get("device") is not None and torch.device(kwargs["device"]) != device:
+        return None, "changes device"
+    if info.is_view and not pending:
+        return None, "view of a real tensor"
+    if kwargs.get("pin_memory"):
+        return None, "pin_memory"
+    if torch._C._current_graph_task_id() != -1:
+        return None, "inside backward"
+    try:
+        descs, container = output_descs(func, targs, tkwargs, skel, tensors, info.device_arg)
+    except Unrecordable as e:
+        return None, str(e)
+    if ctx.recorded >= ctx.max_nodes:
+        # Bound compile time and the size of one graph: compute everything that is pending.
+        ctx.flush_all("size limit")
+    inputs = [_ref(t) for t in tensors]
+    node = LazyNode(func, targs, tkwargs, inputs, (func, skel), descs, container, device, info.is_view)
+    if info.is_view:
+        root = view_root(*inputs[0]) if type(inputs[0]) is tuple else None
+        if root is not None:
+            root[0].has_views = True
+    ctx.recorded += 1
+    outs = [new_wrapper(d, device, node, k) for k, d in enumerate(descs)]
+    ctx._track(outs)
+    if container is None:
+        return outs[0], None
+    return container(outs), None
+
+
+def _ref(t: torch.Tensor) -> Any:
+    if type(t) is LazyTensor:
+        if t._lz_real is not None:
+            return t._lz_real
+        node, k = t._lz_node, t._lz_idx
+        if node.resolved(k):
+            return node.results[k]
+        return (node, k)
+    return t
+
+
+def _try_record_inplace(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
+                        ) -> tuple[Any, str | None]:
+    """`y.add_(1)` on a pending `y` that nothing aliases: record `add(y, 1)` and re-point `y`.
+
+    Values recorded earlier from `y` keep referring to the old node, i.e. to the value before
+    the update, exactly as in eager mode.  Not done when a pending view of `y` exists (it must
+    see the update) or when the out-of-place result would differ in dtype or layout (in-place
+    ops cast to `self`'s dtype; let eager mode do that, or raise).
+    """
+    self = args[0]
+    node = self._lz_node
+    if node is None or node.is_view or node.has_views or node.container is not None:
+        return None, "in-place on an aliased value"
+    out, why = _try_record(ctx, info.functional, info.functional, args, kwargs) \
+        if False else _try_record(ctx, info.functional, op_info(info.functional), args, kwargs)
+    if why is not None:
+        return None, why
+    new_node = out._lz_node
+    if new_node.descs[0][:2] != (self.size(), self.stride()) or new_node.descs[0][3] != self.dtype:
+        return None, "in-place result differs in dtype or layout"
+    new_node.wrappers[0] = out._lz_node.wrappers[0] and None
+    node.wrappers[0] = None
+    self._lz_node, self._lz_idx = new_node, 0
+    import weakref
+    new_node.wrappers[0] = weakref.ref(self)
+    out._lz_node = None   # the temporary wrapper of the out-of-place result is never used
+    out._lz_real = torch.empty(0)
+    return self, None
+
+
+# --------------------------------------------------------------------------------------------
+# eager execution
+# --------------------------------------------------------------------------------------------
+
+_REASONS = {
+    "aten::_local_scalar_dense": "value read by .item()/bool()/int()/float()",
+    "aten::is_nonzero": "value read by bool()",
+    "aten::equal": "value read by torch.equal",
+}
+
+
+def _collect(a: Any, out: list) -> None:
+    if isinstance(a, torch.Tensor):
+        out.append(a)
+    elif type(a) in (list, tuple):
+        for x in a:
+            _collect(x, out)
+
+
+def eager_call(func: Any, args: tuple, kwargs: dict, ctx: "LazyContext | None", *, why: str | None = None,
+               outside: bool = False) -> Any:
+    """Run `func` eagerly: compute pending inputs, protect pending readers of memory it writes,
+    run it on real tensors, hand back in-place / out= results as the caller's own tensors."""
+    from .context import current_context, open_contexts
+    info = _INFO.get(func) or op_info(func)
+    name = str(func)
+    if info.mutated:
+        written: list = []
+        for pos, arg_name in info.mutated:
+            a = args[pos] if pos < len(args) else kwargs.get(arg_name)
+            _collect(a, written)
+        if written and (any(c.live for c in open_contexts()) or any(type(t) is LazyTensor for t in written)):
+            _before_write(written, f"{name} writes memory that pending values read", ctx)
+    lazies: list = []
+    _collect(args, lazies)
+    _collect(list(kwargs.values()), lazies)
+    pend = [(t._lz_node, t._lz_idx) for t in lazies if type(t) is LazyTensor and t._lz_real is None]
+    if pend:
+        if outside:
+            reason = f"{name} outside the lazy block"
+        else:
+            reason = _REASONS.get(func._schema.name if hasattr(func, "_schema") else "", None) or \
+                f"{name} is not fusible" + (f" ({why})" if why else "")
+        flush(pend, reason, ctx or current_context())
+    if not lazies or not any(type(t) is LazyTensor for t in lazies):
+        return func(*args, **kwargs)
+    rargs = unwrap(args, name)
+    rkwargs = {k: unwrap(v, name) for k, v in kwargs.items()}
+    out = func(*rargs, **rkwargs)
+    if info.alias_returns:
+        # `y.add_(1)` / `torch.add(a, b, out=y)` return `y` itself, not the real tensor inside it.
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        for r, pos, arg_name in info.alias_returns:
+            orig = args[pos] if pos < len(args) else kwargs.get(arg_name)
+            if type(orig) is LazyTensor:
+                outs[r] = orig
+        out = type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
+    if info.mutated:
+        for pos, arg_name in info.mutated:
+            a = args[pos] if pos < len(args) else kwargs.get(arg_name)
+            ws: list = []
+            _collect(a, ws)
+            for w in ws:
+                if type(w) is LazyTensor:
+                    _resync(w)
+    elif func is aten.detach.default and type(args[0]) is LazyTensor:
+        # keep the type through detach (nn.Parameter(t) requires detach() to return the same class)
+        out = materialized_wrapper(out)
+    return out
+
+
+def _resync(w: LazyTensor) -> None:
+    """After an eager in-place op on `w`'s real tensor: if it changed metadata or storage
+    (`resize_`, `t_`, `set_`), move the wrapper along."""
+    real = w._lz_real
+    if real is None:
+        return
+    try:
+        same_storage = w.untyped_storage()._cdata == real.untyped_storage()._cdata
+    except Exception:
+        same_storage = False
+    if (w.size(), w.stride(), w.storage_offset()) != (real.size(), real.stride(), real.storage_offset()) \
+            or not same_storage:
+        sync_storage(w)
+
+
+# --------------------------------------------------------------------------------------------
+# writes to memory that pending values read
+# --------------------------------------------------------------------------------------------
+
+def _alias_key(ref: Any) -> Any:
+    """Which memory a value lives in: a storage key for real tensors, the root node for pending
+    values (a pending view lives in its root's future buffer)."""
+    if type(ref) is tuple:
+        node, k = ref
+        if node.resolved(k):
+            return storage_key(node.results[k])
+        root = view_root(node, k)
+        if root is None:   # pending view of something already real
+            while not node.resolved(k):
+                node, k = node.inputs[0]
+            return storage_key(node.results[k])
+        return id(root[0])
+    return storage_key(ref)
+
+
+def _before_write(written: list, reason: str, ctx: "LazyContext | None") -> None:
+    """Before `written` tensors are modified: compute pending values that read their memory
+    through a computation (their eager value was fixed before the write).  Pending views of
+    that memory are left alone, they must see the write.  Pending written tensors themselves are
+    computed too (the eager op needs their memory)."""
+    from .context import current_context, open_contexts
+    keys: set = set()
+    need: list = []
+    for t in written:
+        if type(t) is LazyTensor and t._lz_real is None:
+            need.append((t._lz_node, t._lz_idx))
+            keys.add(_alias_key((t._lz_node, t._lz_idx)))
+        else:
+            real = t._lz_real if type(t) is LazyTensor else t
+            keys.add(storage_key(real))
+    live = []
+    for c in open_contexts():
+        live.extend(c.pending_values())
+    if live:
+        deps: dict[int, set] = {}
+        for node in topo([v[0] for v in live]):
+            d: set = set()
+            if node.is_view:
+                ref = node.inputs[0]
+                if type(ref) is tuple and not ref[0].resolved(ref[1]):
+                    d = deps.get(id(ref[0]), set())
+            else:
+                for ref in node.inputs:
+                    r = ref_real(ref)
+                    if r is not None:
+                        d.add(storage_key(r))
+                    else:
+                        d.add(_alias_key(ref))
+                        d |= deps.get(id(ref[0]), set())
+            deps[id(node)] = d
+        need.extend(v for v in live if deps.get(id(v[0]), set()) & keys)
+    if need:
+        flush(need, reason, ctx or current_context())

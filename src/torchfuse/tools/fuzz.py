@@ -1,0 +1,577 @@
+"""A random-program fuzzer: hypothesis builds small tensor programs, torchfuse must agree with eager.
+
+    python -m torchfuse.tools.fuzz --examples 300 --seed 1 --max-ops 8
+
+A program is straight-line Python over 1-4 input tensors: chains and DAGs of pointwise ops
+(with broadcasting and Python scalars), views (permute, transpose, slice, select, expand,
+reshape, squeeze/unsqueeze, flip), reductions (sum, mean, amax, prod, argmax, var, softmax, ...),
+casts, `cat`, and in-place ops (on inputs, intermediates and views of them).  Inputs have random
+shapes (size-1 and odd sizes), dtypes (float32, float64, int32, int64, bool) and layouts
+(contiguous, transposed, step-sliced, offset, expanded).  Every op is run eagerly while the
+program is drawn, so only programs that eager PyTorch accepts are generated.
+
+A program is compared on its outputs and on its inputs after the call (in-place mutations).
+When one fails, hypothesis shrinks it and the minimal program is written as a standalone
+pytest file `tests/fuzz/regressions/test_case_<hash>.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import os
+import sys
+import textwrap
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+FLOATS = ("float32", "float64")
+INTS = ("int32", "int64")
+DTYPES = ("float32", "float32", "float64", "int32", "int64", "bool")
+LAYOUTS = ("contiguous", "transposed", "strided", "offset", "expanded")
+SIZES = (1, 2, 3, 5, 7, 8, 4, 6, 16)
+MAX_NUMEL = 512
+
+DEFAULT_REGRESSION_DIR = Path(__file__).resolve().parents[3] / "tests" / "fuzz" / "regressions"
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InputSpec:
+    shape: tuple[int, ...]
+    dtype: str
+    layout: str = "contiguous"
+    seed: int = 0
+
+
+def make_input(spec: InputSpec) -> torch.Tensor:
+    """A deterministic tensor of `spec.shape` whose strides follow `spec.layout`."""
+    gen = torch.Generator().manual_seed(1000 + spec.seed)
+    shape, dtype, nd = tuple(spec.shape), getattr(torch, spec.dtype), len(spec.shape)
+
+    def data(s: Sequence[int]) -> torch.Tensor:
+        if dtype == torch.bool:
+            return torch.randint(0, 2, tuple(s), generator=gen).bool()
+        if dtype.is_floating_point:
+            return (torch.randn(tuple(s), generator=gen, dtype=torch.float64) * 2).to(dtype)
+        return torch.randint(-4, 5, tuple(s), generator=gen).to(dtype)
+
+    layout = spec.layout
+    if layout == "transposed" and nd >= 2:
+        return data(shape[::-1]).permute(*reversed(range(nd)))
+    if layout == "strided" and nd >= 1:
+        return data(shape[:-1] + (2 * shape[-1] + 1,))[..., 1::2]
+    if layout == "offset" and nd >= 1:
+        return data((shape[0] + 1,) + shape[1:])[1:]
+    if layout == "expanded" and nd >= 1:
+        dims = [d for d, s in enumerate(shape) if s > 1]
+        if dims:
+            base = list(shape)
+            base[dims[0]] = 1
+            return data(base).expand(*shape)
+    return data(shape)
+
+
+def make_inputs(specs: Sequence[InputSpec]) -> list[torch.Tensor]:
+    return [make_input(s) for s in specs]
+
+
+# ----------------------------------------------------------------------------------------------
+# programs
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class Program:
+    inputs: list[InputSpec] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+    def source(self, name: str = "program") -> str:
+        params = ", ".join(f"a{k}" for k in range(len(self.inputs)))
+        body = self.lines + [f"return ({', '.join(self.outputs)},)"]
+        return f"def {name}({params}):\n" + "".join(f"    {ln}\n" for ln in body)
+
+    def function(self) -> Callable:
+        env: dict[str, Any] = {"torch": torch}
+        exec(compile(self.source(), "<fuzz program>", "exec"), env)
+        return env["program"]
+
+    def digest(self) -> str:
+        text = self.source() + repr(self.inputs)
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+    def __str__(self) -> str:
+        return self.source() + "".join(f"# a{k}: {s}\n" for k, s in enumerate(self.inputs))
+
+
+class _Builder:
+    """Draws a program op by op, running each op eagerly on the real inputs to keep it valid."""
+
+    def __init__(self, draw: Callable, st: Any):
+        self.draw, self.st = draw, st
+        self.prog = Program()
+        self.env: dict[str, Any] = {"torch": torch}
+        self.vars: list[str] = []
+        self.count = 0
+
+    # -- inputs ---------------------------------------------------------------------------
+    def new_input(self, shape: Sequence[int], dtype: str | None = None) -> str:
+        st = self.st
+        dtype = dtype or self.draw(st.sampled_from(DTYPES))
+        layout = self.draw(st.sampled_from(LAYOUTS))
+        spec = InputSpec(tuple(int(s) for s in shape), dtype, layout, seed=len(self.prog.inputs))
+        name = f"a{len(self.prog.inputs)}"
+        self.prog.inputs.append(spec)
+        self.env[name] = make_input(spec)
+        self.vars.append(name)
+        return name
+
+    def shape(self, max_rank: int = 4) -> tuple[int, ...]:
+        st = self.st
+        rank = self.draw(st.integers(0, max_rank))
+        dims = [self.draw(st.sampled_from(SIZES)) for _ in range(rank)]
+        while dims and _numel(dims) > MAX_NUMEL:
+            dims.pop()
+        return tuple(dims)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def pick(self, pred: Callable[[torch.Tensor], bool] = lambda t: True) -> str | None:
+        cands = [v for v in self.vars if isinstance(self.env[v], torch.Tensor) and pred(self.env[v])]
+        if not cands:
+            return None
+        k = self.draw(self.st.integers(0, len(cands) - 1))
+        return cands[-1 - k]                  # shrinks towards the most recent value: a chain
+
+    def dim(self, t: torch.Tensor) -> int:
+        d = self.draw(self.st.integers(0, max(t.ndim - 1, 0)))
+        return d - t.ndim if self.draw(self.st.booleans()) and t.ndim else d
+
+    def try_line(self, expr: str, *, statement: bool = False) -> bool:
+        """Run `expr` eagerly; keep it as the next line (binding a new var) if it works."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if statement:
+                    exec(expr, self.env)
+                    self.prog.lines.append(expr)
+                    return True
+                value = eval(expr, self.env)
+        except Exception:
+            return False
+        if not isinstance(value, torch.Tensor) or value.numel() > 4 * MAX_NUMEL:
+            return False
+        name = f"v{self.count}"
+        self.count += 1
+        self.env[name] = value
+        self.vars.append(name)
+        self.prog.lines.append(f"{name} = {expr}")
+        return True
+
+    def broadcast_partner(self, t: torch.Tensor) -> str:
+        """An existing value or a new input whose shape broadcasts against `t`."""
+        st = self.st
+        same = [v for v in self.vars if isinstance(self.env[v], torch.Tensor) and _broadcasts(self.env[v].shape, t.shape)]
+        if same and self.draw(st.booleans()):
+            k = self.draw(st.integers(0, len(same) - 1))
+            return same[-1 - k]
+        shape = list(t.shape)
+        drop = self.draw(st.integers(0, len(shape)))
+        shape = shape[drop:]
+        shape = [1 if self.draw(st.booleans()) else s for s in shape]
+        return self.new_input(shape)
+
+    # -- ops ------------------------------------------------------------------------------------
+    def step(self) -> None:
+        st, draw = self.st, self.draw
+        kind = draw(st.sampled_from(("unary", "binary", "scalar", "view", "reduce", "cast", "inplace",
+                                     "binary", "unary", "view", "where", "cat")))
+        x = self.pick()
+        if x is None:
+            return
+        t = self.env[x]
+        if kind == "unary":
+            fn = draw(st.sampled_from(UNARY))
+            self.try_line(fn.format(x=x))
+        elif kind == "binary":
+            fn = draw(st.sampled_from(BINARY))
+            y = self.broadcast_partner(t)
+            a, b = (x, y) if draw(st.booleans()) else (y, x)
+            self.try_line(fn.format(x=a, y=b))
+        elif kind == "scalar":
+            fn = draw(st.sampled_from(SCALAR))
+            self.try_line(fn.format(x=x, s=draw(st.sampled_from((2, -1, 0.5, 3, -2.5, 1e-3)))))
+        elif kind == "where":
+            c = self.pick(lambda u: u.dtype == torch.bool and _broadcasts(u.shape, t.shape))
+            if c is None:
+                c = f"({x} > 0)"
+            y = self.broadcast_partner(t)
+            other = y if draw(st.booleans()) else draw(st.sampled_from(("0.0", "-1", "2.5")))
+            self.try_line(f"torch.where({c}, {x}, {other})")
+        elif kind == "cat":
+            if t.ndim == 0:
+                return
+            d = self.dim(t)
+            y = self.pick(lambda u: u.ndim == t.ndim)
+            self.try_line(f"torch.cat([{x}, {y}], {d})")
+        elif kind == "cast":
+            fn = draw(st.sampled_from(CASTS))
+            self.try_line(fn.format(x=x))
+        elif kind == "reduce":
+            self.reduce(x, t)
+        elif kind == "view":
+            self.view(x, t)
+        elif kind == "inplace":
+            self.inplace(x, t)
+
+    def reduce(self, x: str, t: torch.Tensor) -> None:
+        st, draw = self.st, self.draw
+        fn = draw(st.sampled_from(REDUCE))
+        if t.ndim == 0 or draw(st.integers(0, 3)) == 0:
+            dim = ""
+        else:
+            dim = str(self.dim(t))
+            if t.ndim >= 2 and draw(st.booleans()) and "{dims}" in fn:
+                d2 = (int(dim) + 1) % t.ndim
+                dim = f"({int(dim) % t.ndim}, {d2})"
+        keep = draw(st.booleans())
+        self.try_line(fn.format(x=x, dims=dim, dim=dim or "0", keep=keep))
+
+    def view(self, x: str, t: torch.Tensor) -> None:
+        st, draw = self.st, self.draw
+        kind = draw(st.sampled_from(("permute", "transpose", "slice", "select", "unsqueeze", "squeeze",
+                                     "expand", "reshape", "flip", "t")))
+        nd = t.ndim
+        if kind == "permute" and nd >= 2:
+            perm = draw(st.permutations(list(range(nd))))
+            self.try_line(f"{x}.permute({', '.join(map(str, perm))})")
+        elif kind == "transpose" and nd >= 2:
+            self.try_line(f"{x}.transpose({self.dim(t)}, {self.dim(t)})")
+        elif kind == "t" and nd <= 2:
+            self.try_line(f"{x}.t()")
+        elif kind == "slice" and nd >= 1:
+            d = self.dim(t) % nd
+            size = t.shape[d]
+            start = draw(st.integers(-size, size))
+            stop = draw(st.one_of(st.none(), st.integers(-size, size + 2)))
+            step = draw(st.sampled_from((1, 1, 2, 3)))
+            sl = f"{start}:{'' if stop is None else stop}{'' if step == 1 else f':{step}'}"
+            self.try_line(f"{x}[{', '.join([':'] * d + [sl])}]")
+        elif kind == "select" and nd >= 1:
+            d = self.dim(t) % nd
+            i = draw(st.integers(-t.shape[d], max(t.shape[d] - 1, 0)))
+            self.try_line(f"{x}.select({d}, {i})")
+        elif kind == "unsqueeze":
+            self.try_line(f"{x}.unsqueeze({draw(st.integers(-nd - 1, nd))})")
+        elif kind == "squeeze" and nd >= 1:
+            ones = [d for d, s in enumerate(t.shape) if s == 1]
+            self.try_line(f"{x}.squeeze({draw(st.sampled_from(ones))})" if ones else f"{x}.squeeze()")
+        elif kind == "expand":
+            lead = draw(st.sampled_from((0, 0, 1)))
+            sizes = [draw(st.sampled_from((2, 3))) for _ in range(lead)]
+            sizes += [draw(st.sampled_from((1, 3, 4))) if s == 1 else -1 for s in t.shape]
+            if sizes:
+                self.try_line(f"{x}.expand({', '.join(map(str, sizes))})")
+        elif kind == "reshape":
+            shape = _refactor(list(t.shape), draw, st)
+            self.try_line(f"{x}.reshape({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})")
+        elif kind == "flip" and nd >= 1:
+            self.try_line(f"{x}.flip({self.dim(t)})")
+
+    def inplace(self, x: str, t: torch.Tensor) -> None:
+        st, draw = self.st, self.draw
+        if any(s > 1 and st_ == 0 for s, st_ in zip(t.shape, t.stride())):
+            return                              # an expanded value cannot be written in place
+        kind = draw(st.sampled_from(("op_", "scalar_", "setitem", "copy_")))
+        if kind == "op_":
+            y = self.broadcast_partner(t)
+            fn = draw(st.sampled_from(("add_", "sub_", "mul_", "maximum", "copy_")))
+            if fn == "maximum":
+                self.try_line(f"{x}.copy_(torch.maximum({x}, {y}))")
+            else:
+                self.try_line(f"{x}.{fn}({y})")
+        elif kind == "scalar_":
+            fn = draw(st.sampled_from(("mul_(2)", "add_(1)", "clamp_(-1, 1)", "relu_()", "neg_()", "fill_(3)",
+                                       "zero_()", "abs_()")))
+            self.try_line(f"{x}.{fn}")
+        elif kind == "setitem" and t.ndim >= 1:
+            d = self.dim(t) % t.ndim
+            i = draw(st.integers(0, max(t.shape[d] - 1, 0)))
+            value = draw(st.sampled_from(("0", "-1", "2.5")))
+            idx = ", ".join([":"] * d + [str(i) if draw(st.booleans()) else f"{i}:"])
+            self.try_line(f"{x}[{idx}] = {value}", statement=True)
+        elif kind == "copy_":
+            y = self.pick(lambda u: _broadcasts(u.shape, t.shape))
+            if y is not None and y != x:
+                self.try_line(f"{x}.copy_({y})")
+
+    def finish(self) -> Program:
+        st, draw = self.st, self.draw
+        made = [v for v in self.vars if v.startswith("v")]
+        if not made:
+            made = [self.vars[-1]]
+        outs = [made[-1]]
+        # every value nothing else reads is an output too (else dead code would be removed)
+        import re
+        for v in reversed(made[:-1]):
+            pattern = re.compile(rf"\b{v}\b")
+            readers = [ln for ln in self.prog.lines if pattern.search(ln.split("=", 1)[1] if " = " in ln else ln)]
+            if not readers and len(outs) < 4:
+                outs.append(v)
+        if draw(st.booleans()) and len(made) > 1:
+            v = made[draw(st.integers(0, len(made) - 1))]
+            if v not in outs:
+                outs.append(v)
+        self.prog.outputs = outs
+        return self.prog
+
+
+UNARY = ["torch.neg({x})", "torch.abs({x})", "torch.sin({x})", "torch.cos({x})", "torch.tanh({x})",
+         "torch.sigmoid({x})", "torch.exp({x})", "torch.relu({x})", "torch.sqrt({x})", "torch.floor({x})",
+         "torch.reciprocal({x})", "torch.nn.functional.gelu({x})", "torch.nn.functional.silu({x})",
+         "torch.log1p(torch.abs({x}))", "torch.logical_not({x})", "torch.sign({x})", "torch.square({x})",
+         "torch.bitwise_not({x})", "torch.isnan({x})", "{x}.clone()", "{x}.contiguous()"]
+BINARY = ["torch.add({x}, {y})", "torch.sub({x}, {y})", "torch.mul({x}, {y})", "torch.div({x}, {y})",
+          "torch.maximum({x}, {y})", "torch.minimum({x}, {y})", "torch.eq({x}, {y})", "torch.gt({x}, {y})",
+          "torch.logical_and({x}, {y})", "torch.bitwise_xor({x}, {y})", "torch.bitwise_and({x}, {y})",
+          "torch.atan2({x}, {y})", "torch.add({x}, {y}, alpha=2)", "torch.remainder({x}, {y}.float().abs() + 1)",
+          "torch.fmod({x}, {y}.float().abs() + 1)", "torch.floor_divide({x}, {y}.abs() + 1)",
+          "torch.pow({x}.abs() + 0.5, {y}.float().clamp(-2, 2))", "({x} * {y} + {x})", "({x} - {y}) * ({x} + {y})"]
+SCALAR = ["({x} + {s})", "({x} * {s})", "({x} - {s})", "({x} / {s})", "({x} ** 2)", "torch.clamp({x}, -1, {s})",
+          "({x} > {s})", "torch.rsub({x}, {s})", "torch.pow({s}, {x}.float().clamp(-3, 3))",
+          "torch.nn.functional.leaky_relu({x}, 0.1)", "torch.nn.functional.hardtanh({x})"]
+REDUCE = ["{x}.sum({dims})", "{x}.sum(dim={dims}, keepdim={keep})", "{x}.float().mean({dims})",
+          "{x}.amax({dims})", "{x}.amin(dim={dims}, keepdim={keep})", "{x}.prod({dim})", "{x}.argmax({dim})",
+          "{x}.max(dim={dim}, keepdim={keep}).values", "{x}.min({dim}).indices", "{x}.any({dim})",
+          "{x}.all({dim})", "{x}.double().var({dims})", "torch.softmax({x}.float(), {dim})",
+          "torch.log_softmax({x}.double(), {dim})", "{x}.float().norm()", "torch.logsumexp({x}.float(), {dim})",
+          "{x}.sum({dims}).float() / 3", "({x} - {x}.float().mean({dims}, keepdim=True))"]
+CASTS = ["{x}.to(torch.float32)", "{x}.double()", "{x}.bool()", "{x}.to(torch.int64)",
+         "torch.nan_to_num({x}.double()).clamp(-1000, 1000).to(torch.int32)", "{x}.float() * 1.0",
+         "{x}.to(torch.float64).to(torch.float32)"]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _broadcasts(small: Sequence[int], big: Sequence[int]) -> bool:
+    if len(small) > len(big):
+        return False
+    return all(s == 1 or s == b for s, b in zip(reversed(list(small)), reversed(list(big))))
+
+
+def _refactor(shape: list[int], draw: Callable, st: Any) -> list[int]:
+    """A shape with the same number of elements: merge two adjacent dims, split one, or flatten."""
+    choice = draw(st.sampled_from(("merge", "split", "flatten", "minus1")))
+    if choice == "flatten" or not shape:
+        return [_numel(shape)] if shape else [1]
+    if choice == "merge" and len(shape) >= 2:
+        d = draw(st.integers(0, len(shape) - 2))
+        return shape[:d] + [shape[d] * shape[d + 1]] + shape[d + 2:]
+    if choice == "minus1":
+        d = draw(st.integers(0, len(shape) - 1))
+        out = list(shape)
+        out[d] = -1
+        return out
+    d = draw(st.integers(0, len(shape) - 1))
+    n = shape[d]
+    divisors = [k for k in range(1, n + 1) if n % k == 0]
+    k = draw(st.sampled_from(divisors))
+    return shape[:d] + [k, n // k] + shape[d + 1:]
+
+
+def programs(max_ops: int = 6):
+    """The hypothesis strategy of `Program`s."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def strategy(draw):
+        b = _Builder(draw, st)
+        n_inputs = draw(st.integers(1, 2))
+        base = b.shape()
+        for _ in range(n_inputs):
+            shape = list(base)
+            if draw(st.booleans()):
+                shape = [1 if draw(st.booleans()) else s for s in shape]
+            b.new_input(shape)
+        for _ in range(draw(st.integers(1, max_ops))):
+            b.step()
+        return b.finish()
+    return strategy()
+
+
+# ----------------------------------------------------------------------------------------------
+# checking one program
+# ----------------------------------------------------------------------------------------------
+
+TOL = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-9, 1e-9), torch.float16: (1e-2, 1e-2),
+       torch.bfloat16: (5e-2, 5e-2)}
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def compare(got: Any, expected: Any, what: str) -> None:
+    g = got if isinstance(got, (list, tuple)) else [got]
+    e = expected if isinstance(expected, (list, tuple)) else [expected]
+    if len(g) != len(e):
+        raise Mismatch(f"{what}: {len(g)} values, eager has {len(e)}")
+    for k, (a, b) in enumerate(zip(g, e)):
+        label = f"{what} {k}"
+        if not isinstance(a, torch.Tensor):
+            raise Mismatch(f"{label}: got {type(a).__name__}")
+        if a.shape != b.shape:
+            raise Mismatch(f"{label}: shape {tuple(a.shape)} != eager {tuple(b.shape)}")
+        if a.dtype != b.dtype:
+            raise Mismatch(f"{label}: dtype {a.dtype} != eager {b.dtype}")
+        atol, rtol = TOL.get(b.dtype, (0, 0))
+        try:
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol, equal_nan=True, check_stride=False)
+        except AssertionError as err:
+            raise Mismatch(f"{label}: {err}") from None
+
+
+def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None = None) -> None:
+    """Run `fn` eagerly and through torchfuse on copies of `inputs`; outputs and the inputs after
+    the call (in-place ops) must match.  Build errors raise (strict mode)."""
+    from ..config import Config
+    from ..frontend.dynamo import TorchfuseBackend
+
+    eager_in, tf_in = copy.deepcopy(list(inputs)), copy.deepcopy(list(inputs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = fn(*eager_in)
+        torch._dynamo.reset()
+        try:
+            backend = TorchfuseBackend(Config.from_options({"strict": True, **(options or {})}))
+            got = torch.compile(fn, backend=backend, dynamic=False)(*tf_in)
+        finally:
+            torch._dynamo.reset()
+    compare(got, expected, "output")
+    compare(tf_in, eager_in, "input (after the call)")
+
+
+def check_program(prog: Program, options: dict | None = None) -> None:
+    check(prog.function(), make_inputs(prog.inputs), options=options)
+
+
+# ----------------------------------------------------------------------------------------------
+# running hypothesis and writing regressions
+# ----------------------------------------------------------------------------------------------
+
+REGRESSION_TEMPLATE = '''\
+"""Fuzzer regression {digest}: a minimal program on which torchfuse disagreed with eager.
+
+Found by `torchfuse.tools.fuzz` (hypothesis shrank it); the error was:
+
+{error}
+"""
+import torch
+
+from torchfuse.tools.fuzz import InputSpec, check, make_inputs
+
+INPUTS = [
+{inputs}
+]
+
+
+{source}
+
+def test_case_{digest}():
+    check(program, make_inputs(INPUTS))
+'''
+
+
+def regression_source(prog: Program, error: str) -> str:
+    err = textwrap.indent("\n".join(textwrap.wrap(" ".join(error.split())[:600], 92)), "    ")
+    inputs = "\n".join(f"    {s!r}," for s in prog.inputs)
+    return REGRESSION_TEMPLATE.format(digest=prog.digest(), error=err, inputs=inputs, source=prog.source())
+
+
+def write_regression(prog: Program, error: str, out_dir: Path | str = DEFAULT_REGRESSION_DIR) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"test_case_{prog.digest()}.py"
+    path.write_text(regression_source(prog, error))
+    return path
+
+
+@dataclass
+class FuzzResult:
+    examples: int
+    failure: Program | None = None
+    error: str = ""
+    regression: Path | None = None
+
+
+def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, out_dir: Path | str | None =
+             DEFAULT_REGRESSION_DIR, options: dict | None = None, verbose: bool = False) -> FuzzResult:
+    """Check `max_examples` random programs; on a failure, shrink it and (if `out_dir`) write the
+    minimal program as a regression test.  `seed=None` draws fresh programs every run."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as hseed
+
+    state = FuzzResult(0)
+    last: dict[str, Any] = {}
+
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=False,
+              report_multiple_bugs=False, print_blob=False,
+              suppress_health_check=list(HealthCheck),
+              phases=(Phase.generate, Phase.shrink))
+    @given(programs(max_ops))
+    def test(prog: Program) -> None:
+        state.examples += 1
+        if verbose:
+            print(f"--- example {state.examples}\n{prog}", file=sys.stderr, flush=True)
+        try:
+            check_program(prog, options)
+        except Exception as e:
+            last["prog"], last["error"] = prog, f"{type(e).__name__}: {e}"
+            raise
+
+    if seed is not None:
+        test = hseed(seed)(test)
+    try:
+        test()
+    except Exception:
+        if "prog" not in last:
+            raise
+        state.failure, state.error = last["prog"], last["error"]
+        if out_dir is not None:
+            state.regression = write_regression(state.failure, state.error, out_dir)
+    return state
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torchfuse.tools.fuzz", description=__doc__.split("\n")[0])
+    p.add_argument("--examples", type=int, default=200)
+    p.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
+    p.add_argument("--max-ops", type=int, default=6)
+    p.add_argument("--out-dir", default=str(DEFAULT_REGRESSION_DIR), help="where regression tests go")
+    p.add_argument("--no-write", action="store_true", help="do not write a regression test")
+    p.add_argument("--verbose", action="store_true", help="print every program")
+    a = p.parse_args(argv)
+    r = run_fuzz(a.examples, seed=a.seed, max_ops=a.max_ops, out_dir=None if a.no_write else a.out_dir,
+                 verbose=a.verbose)
+    if r.failure is None:
+        print(f"{r.examples} programs: no failure")
+        return 0
+    print(f"failure after {r.examples} programs (incl. shrinking):\n{r.failure}\n{r.error[:2000]}")
+    if r.regression:
+        print(f"regression test written to {r.regression}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
