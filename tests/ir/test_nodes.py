@@ -234,9 +234,6 @@ def test_substitute_resimplifies():
     assert substitute(mod(add(mul(i, 4), j), 4), {j: mod(k, 4)}) == mod(k, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="nodes.mod drops multiples of the divisor from the dividend even when "
-                   "what remains can be negative: mod(12 - i, 6) -> (i * -1) % 6, which C evaluates to -1..-5 "
-                   "for i in 1..5 (it is 0..5 with Python's %); e.g. x.repeat(3)[1:9].flip(0) reads out of bounds")
 def test_mod_keeps_dividend_nonnegative():
     e = mod(add(mul(i, -1), 12), 6)
     assert_equiv(e, lambda v: (12 - v["i"]) % 6, {"i": 6})

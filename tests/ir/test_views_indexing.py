@@ -275,9 +275,6 @@ def test_diagonal_and_as_strided(tf):
                         x.diagonal(-2).exp()), x)
 
 
-@pytest.mark.xfail(strict=True, reason="nodes.mod drops a multiple of the divisor from the dividend "
-                   "(mod(8 - i, 4) -> (-i) % 4) although C's % of a negative value is negative: see "
-                   "tests/ir/test_nodes.py::test_mod_keeps_dividend_nonnegative")
 def test_flip_of_sliced_repeat(tf):
     x = tf.rand((4,))
     tf.check(lambda x: x.repeat(3)[1:9].flip(0) * 1, x)
@@ -325,9 +322,6 @@ def test_graph_returning_an_input_unchanged(tf):
     assert e.output[0].data_ptr() == xt.data_ptr()
 
 
-@pytest.mark.xfail(strict=True, reason="nodes.mod drops a multiple of the divisor from the dividend: the index "
-                   "of this copy contains ((x0 * -2) % 3) (from (9 - 2*x0) % 3), negative in C, so the kernel "
-                   "reads out of bounds; see tests/ir/test_nodes.py::test_mod_keeps_dividend_nonnegative")
 def test_flip_of_flattened_transpose(tf):
     x = tf.rand((3, 4, 3))
     tf.check(lambda x: x.transpose(0, -1).reshape(-1).flip(0)[26::2] * 1, x)

@@ -303,6 +303,11 @@ def _nonneg(n: Node, ranges: Mapping[str, Node] | None) -> bool:
     return iv is not None and iv[0] >= 0
 
 
+def _sum_nonneg(terms: Mapping[tuple[Node, ...], int]) -> bool:
+    """Every term is a positive coefficient times non-negative index factors."""
+    return all(c > 0 and all(f.op in ("var", "sym", "mod", "floordiv") for f in key) for key, c in terms.items())
+
+
 def floordiv(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = None) -> Node:
     a, d = as_node(a), as_node(d)
     if is_const(d, 1):
@@ -332,7 +337,8 @@ def mod(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = No
         rest_node = _build(rest)
         if _provably_below(rest_node, d, ranges):
             return rest_node
-        if rest_node != a:
+        if rest_node != a and _sum_nonneg(rest):
+            # dropping multiples of d is only sound when C's % still sees a non-negative dividend
             a = rest_node
     if _provably_below(a, d, ranges):
         return a
