@@ -477,11 +477,9 @@ def _row_reduce(op: str, dt: torch.dtype, v: str, em: TritonEmitter) -> str:
         fn = "tl.max" if op in ("max", "any") else "tl.min"
         if dt == torch.bool:
             return f"{fn}({v}.to(tl.int8), 1)[:, None] != 0"
-        r = f"{fn}({v}, 1)[:, None]"
-        if dt.is_floating_point:
-            nan = em.tmp(f"tl.max(({v} != {v}).to(tl.int8), 1)[:, None] != 0")
-            return f"tl.where({nan}, {NAN_EXPR}, {r})"
-        return r
+        if dt.is_floating_point:   # one NaN-propagating tree reduction (not max + a NaN flag)
+            return f"tl.reduce({v}, 1, {'_max_nan' if op in ('max', 'any') else '_min_nan'})[:, None]"
+        return f"{fn}({v}, 1)[:, None]"
     raise NotImplementedError(op)
 
 

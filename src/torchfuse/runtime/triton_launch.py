@@ -204,10 +204,13 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
             _launch(persistent, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, rnumel),
                     (xblock, rblock, big), warps)
 
-        xblock = max(1, min(_next_pow2(xnumel), 4096 // rblock, 64))
-        warps = min(16, max(1, xblock * rblock // 512))   # ~16 fp32 elements of the tile per thread
+        # Measured with mode="max-autotune" on an H100 (BENCHMARKS.md): tiles of ~2048 elements
+        # (XBLOCK 1-2 for 1000-wide rows) with ~16 elements per thread win for rows <= 1024;
+        # longer rows want one row per program and 8-16 warps.
+        xblock = max(1, min(_next_pow2(xnumel), 2048 // rblock, 64))
+        warps = min(16, max(1, xblock * rblock // 512))
         if _tuning(persistent):
-            key = f"{persistent.fn.__name__}:{persistent.fn.__module__}:{rblock}:{min(_next_pow2(xnumel), 4096)}"
+            key = f"{persistent.fn.__name__}:{persistent.fn.__module__}:{rblock}:{_next_pow2(xnumel)}"
             cands = [(x, w) for x in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16)
                      if x <= _next_pow2(xnumel) and 256 <= x * rblock <= 32768 and x * rblock // (32 * w) in range(2, 65)]
             xblock, warps = _autotune(persistent, key, cands or [(xblock, warps)], go)
