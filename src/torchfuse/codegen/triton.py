@@ -278,8 +278,6 @@ class TritonEmitter:
             return f"(({x} == {x}) & (tl.abs({x}) != 1e999))"
         if o == "sign":
             x = self.value(a[0])
-            if dt.is_floating_point:
-                return f"tl.where({x} != {x}, {x}, (({x} > 0).to({TL[dt]}) - ({x} < 0).to({TL[dt]})))"
             return f"(({x} > 0).to({TL[dt]}) - ({x} < 0).to({TL[dt]}))"
         if o in ("maximum", "clamp_min", "minimum", "clamp_max"):
             x, y = self.value(a[0]), self.value(a[1])

@@ -31,9 +31,8 @@ _tuned_path: Path | None = None
 
 
 def ensure_interpreter_if_cpu(device_type: str) -> None:
-    """Triton runs CPU tensors only under its interpreter, which must be chosen before import."""
-    import sys
-    if device_type == "cpu" and "triton" not in sys.modules:
+    """Triton runs CPU tensors only under its interpreter (read when a kernel is defined)."""
+    if device_type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

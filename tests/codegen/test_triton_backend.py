@@ -1,0 +1,120 @@
+"""The core's op, fusion, view, dtype and model checks again, through the Triton backend.
+
+On a machine without a GPU, `options={"cpu_backend": "triton"}` runs the generated Triton
+kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which checks the Triton
+code generation for correctness.  Shapes are small: the interpreter is slow, and says nothing
+about speed.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+TRITON = {"cpu_backend": "triton"}
+
+
+def _check(tf, fn, *args, kernels=None, **kw):
+    e = tf.check(fn, *args, options=TRITON, kernels=kernels, **kw)
+    assert e.kernels and all(k.backend == "triton" for k in e.kernels)
+    return e
+
+
+FUSED_ONE_KERNEL = {
+    "relu_affine": lambda x, w, b: torch.relu(x * w + b) * 2.5,
+    "softmax": lambda x, w, b: torch.softmax(x, -1),
+    "log_softmax": lambda x, w, b: torch.log_softmax(x, -1),
+    "layer_norm": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+    "rms_norm": lambda x, w, b: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w,
+    "gelu_tanh": lambda x, w, b: F.gelu(x, approximate="tanh") + b,
+    "gelu_erf": lambda x, w, b: F.gelu(x) * w,
+    "silu_sigmoid": lambda x, w, b: F.silu(x) + torch.sigmoid(w),
+    "row_stats": lambda x, w, b: (x.sum(-1), x.amax(-1), x.argmax(-1), x.var(-1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_ONE_KERNEL))
+@pytest.mark.parametrize("shape", [(5, 37), (2, 3, 64)])
+def test_fused_one_kernel(tf, name, shape):
+    x = tf.rand(shape)
+    w, b = tf.rand(shape[-1:]), tf.rand(shape[-1:])
+    _check(tf, FUSED_ONE_KERNEL[name], x, w, b, kernels=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_float_dtypes(tf, dtype):
+    x, y = tf.rand((7, 13), dtype), tf.rand((13,), dtype)
+    _check(tf, lambda a, b: (torch.exp(a) * b - a.abs().sqrt(), torch.softmax(a, -1), (a / b).floor()), x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_int_ops(tf, dtype):
+    a = torch.randint(-50, 50, (6, 9), dtype=dtype)
+    b = torch.randint(1, 9, (9,), dtype=dtype)
+    _check(tf, lambda x, y: (x // y, x % y, torch.div(x, y, rounding_mode="trunc"), x * y - 3, (x > y) & (x < 20),
+                             torch.maximum(x, y), x.sum(-1), torch.where(x > 0, x, -x)), a, b)
+
+
+def test_bool_and_special_values(tf):
+    x = torch.tensor([[1.0, float("nan"), -0.0, float("inf")], [-float("inf"), 2.0, -3.0, 0.5]])
+    _check(tf, lambda t: (torch.isnan(t), t.amax(-1), t.amin(-1), torch.maximum(t, t.flip(-1)), t.clamp(-1, 1),
+                          torch.sign(t), (t > 0).any(-1), (t > -10).all(-1)), x)
+
+
+def test_views_and_layouts(tf):
+    x = tf.rand((6, 10))
+    _check(tf, lambda t: (t.t() * 2, t[::2, 1:7] + 1, t.view(3, 20).sum(0), t.permute(1, 0).reshape(5, 12) - 1,
+                          t.unsqueeze(0).expand(3, 6, 10) * t, torch.cat([t, t * 2], 1), F.pad(t, (1, 2, 0, 1))), x)
+
+
+def test_non_contiguous_and_broadcast_inputs(tf):
+    x = tf.rand((8, 12)).t()
+    y = tf.rand((1, 8))
+    _check(tf, lambda a, b: torch.softmax(a * b, -1) + a.sum(0), x, y)
+
+
+def test_zero_dim_and_empty(tf):
+    _check(tf, lambda a: a * 2 + 1, torch.tensor(1.5))
+    _check(tf, lambda a: (a * 2).sum(-1), torch.randn(0, 5), min_kernels=1)
+
+
+def test_indexing(tf):
+    w = tf.rand((20, 8))
+    i = torch.randint(0, 20, (3, 4))
+    _check(tf, lambda a, b: (F.embedding(b, a) * 2, a[b[0]] + 1, torch.gather(a, 1, (b[:, :2] % 8).repeat(7, 1)[:20])),
+           w, i)
+
+
+def test_long_rows_use_the_looped_kernel(tf):
+    from torchfuse.runtime import triton_launch
+    x = tf.rand((2, triton_launch.PERSISTENT_LIMIT + 100))
+    _check(tf, lambda t: (torch.softmax(t, -1), t.sum(-1), t.argmax(-1)), x)
+
+
+def test_training_step_gradients(tf):
+    x = tf.rand((4, 16)).requires_grad_()
+    w = tf.rand((16,)).requires_grad_()
+
+    def f(a, b):
+        return F.layer_norm(F.gelu(a * b), (16,)).sum()
+
+    cf = torch.compile(f, backend="torchfuse", options={**TRITON, "strict": True})
+    cf(x, w).backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    f(x, w).backward()
+    tf.assert_same(got, (x.grad, w.grad), atol=1e-5, rtol=1e-4)
+
+
+def test_gpt2_inference(tf):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    with torch.no_grad():
+        ref = model(ids).logits
+        out = torch.compile(model, backend="torchfuse", options={**TRITON, "strict": True})(ids).logits
+    tf.assert_same(out, ref, atol=1e-4, rtol=1e-4)
