@@ -14,6 +14,7 @@ import torch
 
 from ..ir.nodes import INDEX, Node, free_syms, to_text
 from ..scheduler.loops import LoopPlan, Stage
+from .common import ExprEmitter
 
 CTYPE = {
     torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
@@ -196,88 +197,32 @@ def c_literal(value, dtype: torch.dtype) -> str:
     return f"static_cast<{CTYPE[dtype]}>({int(value)})"
 
 
-class Emitter:
-    """Turns Nodes into C++ statements with one temporary per distinct sub-expression (CSE)."""
+class Emitter(ExprEmitter):
+    """Node DAGs as C++ statements (see ExprEmitter for the shared CSE machinery)."""
 
-    def __init__(self, buffers: dict[str, torch.dtype]):
-        self.buffers = buffers
-        self.lines: list[str] = []
-        self.indent = 1
-        self.scopes: list[dict[Node, str]] = [{}]
-        self.locals: list[dict[tuple[str, Node], str]] = [{}]
-        self.count = 0
+    def literal(self, value, dtype: torch.dtype) -> str:
+        return c_literal(value, dtype)
 
-    def line(self, text: str) -> None:
-        self.lines.append("  " * self.indent + text)
+    def declare(self, name: str, expr: str, dtype: torch.dtype | None) -> str:
+        return f"const {CTYPE[dtype]} {name} = {expr};"
+
+    def masked(self, mask: str, value: str, dtype: torch.dtype) -> str:
+        return f"({mask} ? {value} : {c_literal(0, dtype)})"
 
     def push(self) -> None:
-        self.scopes.append({})
-        self.locals.append({})
+        super().push()
         self.indent += 1
 
     def pop(self) -> None:
-        self.scopes.pop()
-        self.locals.pop()
+        super().pop()
         self.indent -= 1
-
-    def bind_local(self, buffer: str, index: Node, name: str) -> None:
-        self.locals[-1][(buffer, index)] = name
-
-    def tmp(self, ctype: str, expr: str) -> str:
-        name = f"t{self.count}"
-        self.count += 1
-        self.line(f"const {ctype} {name} = {expr};")
-        return name
-
-    def lookup(self, n: Node) -> str | None:
-        for scope in reversed(self.scopes):
-            if n in scope:
-                return scope[n]
-        return None
-
-    def index(self, n: Node) -> str:
-        """Index arithmetic is printed inline (the C++ compiler does strength reduction)."""
-        if n.op == "const":
-            return c_literal(n.arg, INDEX)
-        if n.op in ("var", "sym"):
-            return n.arg
-        if n.op == "add":
-            return "(" + " + ".join(self.index(a) for a in n.args) + ")"
-        if n.op == "mul":
-            return "(" + " * ".join(self.index(a) for a in n.args) + ")"
-        if n.op == "floordiv":
-            return f"({self.index(n.args[0])} / {self.index(n.args[1])})"
-        if n.op == "mod":
-            return f"({self.index(n.args[0])} % {self.index(n.args[1])})"
-        return self.value(n)
-
-    def value(self, n: Node) -> str:
-        if n.op == "const":
-            return c_literal(n.arg, n.dtype)
-        if n.op in ("var", "sym"):
-            return n.arg
-        got = self.lookup(n)
-        if got is not None:
-            return got
-        expr = self._expr(n)
-        if n.op == "load" and len(n.args) == 1:
-            local = next((scope.get((n.arg, n.args[0])) for scope in reversed(self.locals)
-                          if (n.arg, n.args[0]) in scope), None)
-            if local is not None:
-                expr = local
-        name = self.tmp(CTYPE[n.dtype], expr)
-        self.scopes[-1][n] = name
-        return name
 
     def _expr(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
         if o == "load":
-            local = next((scope[(n.arg, a[0])] for scope in reversed(self.locals) if (n.arg, a[0]) in scope), None)
-            raw = f"{n.arg}[{self.index(a[0])}]" if local is None else local
+            raw = f"{n.arg}[{self.index(a[0])}]"
             sdt = self.buffers[n.arg]
-            if local is not None:
-                pass                  # a value of this kernel, already computed (and maybe never stored)
-            elif sdt == torch.float16:
+            if sdt == torch.float16:
                 raw = f"tf_half_to_float({raw})"
             elif sdt == torch.bfloat16:
                 raw = f"tf_bf16_to_float({raw})"
@@ -519,7 +464,7 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
             cast_expr = f"tf_round_{'half' if m.buffer.dtype == torch.float16 else 'bf16'}(static_cast<float>({result}))"
         else:
             cast_expr = f"static_cast<{out_ct}>({result})"
-        value = em.tmp(out_ct, cast_expr)
+        value = em.tmp(cast_expr, m.buffer.dtype)
         em.bind_local(m.buffer.name, m.store, value)
         _emit_store(em, plan, m, value)
 

@@ -16,6 +16,7 @@ import torch
 
 from ..ir.nodes import INDEX, Node, free_syms, to_text, walk
 from ..scheduler.loops import LoopPlan
+from .common import ExprEmitter
 
 TL = {
     torch.float32: "tl.float32", torch.float64: "tl.float64", torch.float16: "tl.float32",
@@ -153,67 +154,24 @@ def literal(value, dtype: torch.dtype) -> str:
     return f"tl.full([1], {int(value)}, {TL[dtype]})"
 
 
-class TritonEmitter:
+class TritonEmitter(ExprEmitter):
+    """Node DAGs as Triton statements (see ExprEmitter for the shared CSE machinery)."""
+    INDENT = "    "
+    FLOORDIV = "//"
+
     def __init__(self, buffers: dict[str, torch.dtype], indent: int = 1):
-        self.buffers = buffers
-        self.lines: list[str] = []
-        self.indent = indent
-        self.scopes: list[dict[Node, str]] = [{}]
-        self.locals: list[dict[tuple[str, Node], str]] = [{}]
-        self.count = 0
+        super().__init__(buffers, indent)
         self.mask = "None"
         self.interpreter = _interpreting()
 
-    def line(self, text: str) -> None:
-        self.lines.append("    " * self.indent + text)
+    def literal(self, value, dtype: torch.dtype) -> str:
+        return str(int(value)) if dtype == INDEX else literal(value, dtype)
 
-    def push(self) -> None:
-        self.scopes.append({})
-        self.locals.append({})
+    def declare(self, name: str, expr: str, dtype: torch.dtype | None) -> str:
+        return f"{name} = {expr}"
 
-    def pop(self) -> None:
-        self.scopes.pop()
-        self.locals.pop()
-
-    def bind_local(self, buffer: str, index: Node, name: str) -> None:
-        self.locals[-1][(buffer, index)] = name
-
-    def tmp(self, expr: str) -> str:
-        name = f"t{self.count}"
-        self.count += 1
-        self.line(f"{name} = {expr}")
-        return name
-
-    def index(self, n: Node) -> str:
-        if n.op == "const":
-            return str(int(n.arg))
-        if n.op in ("var", "sym"):
-            return n.arg
-        if n.op == "add":
-            return "(" + " + ".join(self.index(a) for a in n.args) + ")"
-        if n.op == "mul":
-            return "(" + " * ".join(self.index(a) for a in n.args) + ")"
-        if n.op == "floordiv":
-            return f"({self.index(n.args[0])} // {self.index(n.args[1])})"
-        if n.op == "mod":
-            return f"({self.index(n.args[0])} % {self.index(n.args[1])})"
-        return self.value(n)
-
-    def value(self, n: Node) -> str:
-        if n.op == "const":
-            return literal(n.arg, n.dtype)
-        if n.op in ("var", "sym"):
-            return n.arg
-        for scope in reversed(self.scopes):
-            if n in scope:
-                return scope[n]
-        if n.op == "load" and len(n.args) == 1:
-            for scope in reversed(self.locals):
-                if (n.arg, n.args[0]) in scope:
-                    return scope[(n.arg, n.args[0])]
-        name = self.tmp(self._expr(n))
-        self.scopes[-1][n] = name
-        return name
+    def masked(self, mask: str, value: str, dtype: torch.dtype) -> str:
+        return f"tl.where({mask}, {value}, 0)"
 
     def _expr(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
