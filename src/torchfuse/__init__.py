@@ -8,6 +8,7 @@
 from .config import Config
 from .counters import counters
 from .api import compile, explain, Explanation, KernelInfo, FallbackInfo
+from .lazy import lazy
 
-__all__ = ["Config", "counters", "compile", "explain", "Explanation", "KernelInfo", "FallbackInfo"]
+__all__ = ["Config", "counters", "compile", "explain", "Explanation", "KernelInfo", "FallbackInfo", "lazy"]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -61,34 +61,39 @@ def scan(args: tuple, kwargs: dict, tensors: list) -> tuple[tuple, dict, tuple]:
     their place (to replay the op later on other tensors) and a hashable key of everything else.
 
     Scalars are part of the key by value (and type: `x * 2` and `x * 2.0` promote differently);
-    floats by repr so that -0.0 and nan are keyed exactly.
+    floats by repr so that -0.0 and nan are keyed exactly.  (Runs for every recorded op: plain
+    loops, no closures.)
     """
     key: list = []
-
-    def conv(a: Any) -> Any:
-        if isinstance(a, torch.Tensor):
-            key.append(_TENSOR_KEY)
-            tensors.append(a)
-            return Slot(len(tensors) - 1)
-        t = type(a)
-        if t is list or t is tuple:
-            key.append((t is list, len(a)))
-            return t(conv(x) for x in a)
-        if t is float:
-            key.append(repr(a))
-        elif a is None or t in (bool, int, str) or isinstance(a, (torch.dtype, torch.device, torch.layout,
-                                                                   torch.memory_format)):
-            key.append((t, a))
-        else:
-            raise Unrecordable(f"argument of type {t.__name__}")
-        return a
-
-    targs = tuple(conv(a) for a in args)
+    targs = tuple([_conv(a, key, tensors) for a in args])
+    if not kwargs:
+        return targs, kwargs, tuple(key)
     tkwargs = {}
     for name, a in kwargs.items():
         key.append(name)
-        tkwargs[name] = conv(a)
+        tkwargs[name] = _conv(a, key, tensors)
     return targs, tkwargs, tuple(key)
+
+
+_PLAIN_TYPES = (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _conv(a: Any, key: list, tensors: list) -> Any:
+    t = type(a)
+    if t is float:
+        key.append(repr(a))
+        return a
+    if isinstance(a, torch.Tensor):
+        key.append(_TENSOR_KEY)
+        tensors.append(a)
+        return Slot(len(tensors) - 1)
+    if t is list or t is tuple:
+        key.append((t is list, len(a)))
+        return t([_conv(x, key, tensors) for x in a])
+    if t in _PLAIN_TYPES:
+        key.append((t, a))
+        return a
+    raise Unrecordable(f"argument of type {t.__name__}")
 
 
 def fill(template: Any, tensors: list) -> Any:
@@ -97,6 +102,8 @@ def fill(template: Any, tensors: list) -> Any:
         return tensors[template.i]
     if type(template) in (list, tuple):
         return type(template)(fill(x, tensors) for x in template)
+    if type(template) is dict:      # kwargs: always a fresh dict, callers may add to it
+        return {k: fill(v, tensors) for k, v in template.items()}
     return template
 
 
@@ -123,7 +130,7 @@ def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: l
                  device_arg: bool) -> tuple[list[Desc], type | None]:
     """The (size, stride, offset, dtype) of each output of `func` on these inputs, from the meta
     kernels.  Returns (descs, container type or None for a single tensor)."""
-    key = (func, skel, tuple(tensor_meta(t) for t in tensors))
+    key = (func, skel, tuple([(t.dtype, t.size(), t.stride(), t.storage_offset()) for t in tensors]))
     hit = _META_CACHE.get(key)
     if hit is not None:
         return hit
@@ -152,7 +159,7 @@ def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: l
 class LazyNode:
     """One recorded aten op.  `results[k]` holds output k once it has been computed."""
     __slots__ = ("func", "targs", "tkwargs", "inputs", "skey", "descs", "container", "device",
-                 "is_view", "results", "wrappers", "has_views", "__weakref__")
+                 "is_view", "results", "wrappers", "has_views", "depth", "__weakref__")
 
     def __init__(self, func: Any, targs: tuple, tkwargs: dict, inputs: list[Ref], skey: tuple,
                  descs: list[Desc], container: type | None, device: torch.device, is_view: bool):
@@ -165,6 +172,12 @@ class LazyNode:
         self.results: list[torch.Tensor | None] | None = None
         self.wrappers: list[weakref.ref | None] = [None] * len(descs)
         self.has_views = False       # a pending view of this node exists (blocks in-place rebinding)
+        # longest chain of pending ops ending here: bounds the graph a flush of this value builds
+        depth = 0
+        for r in inputs:
+            if type(r) is tuple and r[0].results is None and r[0].depth > depth:
+                depth = r[0].depth
+        self.depth = depth + 1
 
     def resolved(self, k: int) -> bool:
         return self.results is not None and self.results[k] is not None
@@ -223,8 +236,12 @@ def view_root(node: LazyNode, k: int) -> tuple[LazyNode, int] | None:
     return None
 
 
-def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Identifies the memory a real tensor lives in (views share it)."""
+    try:
+        return ("storage", t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):     # sparse, nested, ...: no shared storage
+        return ("tensor", id(t))
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +282,12 @@ class FlushRecord:
     cache_hit: bool           # the compiled graph came from the signature cache
     graph: str | None = None  # compile_graph's name of the graph (also its debug folder name)
     ms: float = 0.0           # wall time of the flush
-    op_names: list[str] = field(default_factory=list)
+    funcs: tuple = ()         # the aten ops computed, in order
+    extra_outputs: int = 0    # outputs not asked for, but computed on the way and still referenced
+
+    @property
+    def op_names(self) -> list[str]:
+        return [str(f) for f in self.funcs]
 
     def __str__(self) -> str:
         src = "cached" if self.cache_hit else (self.graph or "compiled")
@@ -292,9 +314,10 @@ def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | N
         by_device: dict[torch.device, list[tuple[LazyNode, int]]] = {}
         for r in roots.values():
             by_device.setdefault(r[0].device, []).append(r)
+        views = list(values)
         for device, rs in by_device.items():
-            _run_graph(rs, device, reason, ctx)
-        for node, k in values:
+            views += _run_graph(rs, device, reason, ctx)
+        for node, k in views:
             _replay_views(node, k)
 
 
@@ -303,13 +326,13 @@ def _replay_views(node: LazyNode, k: int) -> None:
     views of their base's storage, as in eager mode."""
     chain = []
     while not node.resolved(k):
-        assert node.is_view, "a non-view value should have been computed by the flush"
+        if not node.is_view:
+            raise RuntimeError("torchfuse.lazy: internal error: a value was not computed by its flush")
         chain.append(node)
         node, k = node.inputs[0]
     for n in reversed(chain):
         if n.results is None:
-            base = ref_real(n.inputs[0])
-            publish(n, n.call([base]))
+            publish(n, n.call([ref_real(r) for r in n.inputs]))
 
 
 def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
@@ -332,9 +355,35 @@ def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
         node.targs, node.tkwargs = (), {}
 
 
-def _signature(roots: list[tuple[LazyNode, int]], device: torch.device, token: int
-               ) -> tuple[tuple, list[LazyNode], list[torch.Tensor], list[list]]:
-    order = topo([r[0] for r in roots])
+def _live_extras(order: list[LazyNode], roots: list[tuple[LazyNode, int]]
+                 ) -> list[tuple[LazyNode, int]]:
+    """Values computed anyway by this graph that a live wrapper still waits for become outputs
+    too, and pending views of them are replayed: otherwise a value that is only observed
+    through reductions (`acc.sum().item()` every step of a loop) would stay pending and its
+    ever-growing history would be recomputed by every flush.  Returns the views to replay."""
+    have = {(id(n), k) for n, k in roots}
+    views = []
+    for n in order:
+        for k, ref in enumerate(n.wrappers):
+            w = ref() if ref is not None else None
+            if w is None or w._lz_node is not n or n.resolved(k):
+                continue
+            if n.is_view:
+                r = view_root(n, k)
+                views.append((n, k))
+                if r is None:
+                    continue
+                n_root, k_root = r
+            else:
+                n_root, k_root = n, k
+            if (id(n_root), k_root) not in have:
+                have.add((id(n_root), k_root))
+                roots.append((n_root, k_root))
+    return views
+
+
+def _signature(order: list[LazyNode], roots: list[tuple[LazyNode, int]], device: torch.device, token: int
+               ) -> tuple[tuple, list[torch.Tensor], list[list]]:
     index = {id(n): i for i, n in enumerate(order)}
     leaves: list[torch.Tensor] = []
     leaf_index: dict[int, int] = {}
@@ -360,15 +409,20 @@ def _signature(roots: list[tuple[LazyNode, int]], device: torch.device, token: i
         entries.append((n.skey, tuple(refs)))
     outs = tuple((index[id(n)], k) for n, k in roots)
     leaf_key = tuple((t.dtype, t.shape, t.stride()) for t in leaves)
-    return (token, device, leaf_key, tuple(entries), outs), order, leaves, codes
+    return (token, device, leaf_key, tuple(entries), outs), leaves, codes
 
 
 def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: str,
-               ctx: "LazyContext | None") -> None:
+               ctx: "LazyContext | None") -> list[tuple[LazyNode, int]]:
+    """Compile (or take from the cache) and run the graph computing `roots`; returns the live
+    pending views whose base it computed (to be replayed by the caller)."""
     from .context import default_context
     ctx = ctx or default_context()
     t0 = time.perf_counter()
-    sig, order, leaves, codes = _signature(roots, device, config_token(ctx.config))
+    order = topo([r[0] for r in roots])
+    n_requested = len(roots)
+    views = _live_extras(order, roots)
+    sig, leaves, codes = _signature(order, roots, device, config_token(ctx.config))
     entry = _CACHE.get(sig)
     hit = entry is not None
     if hit:
@@ -390,9 +444,12 @@ def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: 
     per_node: dict[int, tuple[LazyNode, list]] = {}
     for (node, k), out in zip(roots, outs):
         size, stride, _, dtype = node.descs[k]
-        if out.size() != size or out.dtype != dtype:
-            raise RuntimeError(f"torchfuse.lazy: {node.name()} produced {tuple(out.shape)} {out.dtype}, "
-                               f"expected {tuple(size)} {dtype}")
+        if out.size() != size:
+            raise RuntimeError(f"torchfuse.lazy: internal error: {node.name()} produced shape "
+                               f"{tuple(out.shape)}, its meta kernel said {tuple(size)}")
+        if out.dtype != dtype:       # a decomposition that promotes differently from the meta kernel
+            log.warning("torchfuse.lazy: %s produced %s, eager gives %s; converting", node.name(), out.dtype, dtype)
+            out = out.to(dtype)
         if out.stride() != stride and out.numel() > 1:
             out = torch.empty_strided(size, stride, dtype=dtype, device=out.device).copy_(out)
         per_node.setdefault(id(node), (node, [None] * len(node.descs)))[1][k] = out
@@ -400,8 +457,9 @@ def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: 
         publish(node, outs_k)
     counters.bump("lazy_flushes")
     record = FlushRecord(reason, len(order), len(roots), entry.kernels, hit, None if hit else entry.graph,
-                         1e3 * (time.perf_counter() - t0), [n.name() for n in order])
+                         1e3 * (time.perf_counter() - t0), tuple(n.func for n in order), len(roots) - n_requested)
     ctx._log_flush(record)
+    return views
 
 
 def _aliasing_outputs(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> tuple[int, ...]:

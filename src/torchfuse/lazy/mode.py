@@ -20,6 +20,7 @@ no-grad parts of a program are fused.  Random ops run eagerly (same random strea
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +42,15 @@ class LazyMode(TorchDispatchMode):
         super().__init__()
         self.ctx = ctx
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return dispatch(self.ctx, func, args, kwargs or {})
+
+def _lazy_torch_dispatch(self: LazyMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    return dispatch(self.ctx, func, args, kwargs or {})
+
+
+# Assigned after the class body on purpose: TorchDispatchMode.__init_subclass__ wraps a
+# __torch_dispatch__ defined in the body with torch._disable_dynamo, which costs about 2 us on
+# every op; this handler is never traced by Dynamo.
+LazyMode.__torch_dispatch__ = _lazy_torch_dispatch  # type: ignore[method-assign]
 
 
 # --------------------------------------------------------------------------------------------
@@ -123,6 +131,8 @@ def _make_info(func: Any) -> OpInfo:
 def dispatch(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict) -> Any:
     info = _INFO.get(func) or op_info(func)
     why = None
+    if info.is_view and type(args[0]) is not LazyTensor:
+        return func(*args, **kwargs)        # a view of a real tensor: free, nothing to record
     if info.fusible:
         if ctx.forced_fallbacks and str(func) in ctx.forced_fallbacks:
             why = "in options['fallback_ops']"
@@ -139,6 +149,20 @@ def dispatch(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict) -> Any:
 
 def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
                 ) -> tuple[Any, str | None]:
+    node, why = _make_node(ctx, func, info, args, kwargs)
+    if node is None:
+        return None, why
+    _commit(ctx, node)
+    outs = [new_wrapper(d, node.device, node, k) for k, d in enumerate(node.descs)]
+    ctx._track(node.wrappers)
+    if node.container is None:
+        return outs[0], None
+    return node.container(outs), None
+
+
+def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
+               ) -> tuple[LazyNode | None, str | None]:
+    """A node for `func(*args, **kwargs)`, or (None, why not)."""
     tensors: list = []
     try:
         targs, tkwargs, skel = scan(args, kwargs, tensors)
@@ -154,10 +178,10 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
                 pending = True
         elif tp is not torch.Tensor and tp is not torch.nn.Parameter:
             return None, f"tensor subclass {tp.__name__}"
+        elif t.layout is not torch.strided:
+            return None, "not strided"
         if grad and t.requires_grad:
             return None, "needs autograd"
-        if t.layout is not torch.strided:
-            return None, "not strided"
         d = t.device
         if device is None:
             device = d
@@ -182,21 +206,25 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
         descs, container = output_descs(func, targs, tkwargs, skel, tensors, info.device_arg)
     except Unrecordable as e:
         return None, str(e)
-    if ctx.recorded >= ctx.max_nodes:
-        # Bound compile time and the size of one graph: compute everything that is pending.
-        ctx.flush_all("size limit")
     inputs = [_ref(t) for t in tensors]
     node = LazyNode(func, targs, tkwargs, inputs, (func, skel), descs, container, device, info.is_view)
-    if info.is_view:
-        root = view_root(*inputs[0]) if type(inputs[0]) is tuple else None
+    if ctx.recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
+        # Bound compile time and the size of one graph: compute everything that is pending
+        # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
+        # values still pending after it; `depth` catches one long chain).
+        ctx.flush_all("size limit")
+        inputs = [_ref(t) for t in tensors]
+        node = LazyNode(func, targs, tkwargs, inputs, (func, skel), descs, container, device, info.is_view)
+    return node, None
+
+
+def _commit(ctx: "LazyContext", node: LazyNode) -> None:
+    """Bookkeeping once a node is part of the pending graph."""
+    ctx.recorded += 1
+    if node.is_view and type(node.inputs[0]) is tuple:
+        root = view_root(*node.inputs[0])
         if root is not None:
             root[0].has_views = True
-    ctx.recorded += 1
-    outs = [new_wrapper(d, device, node, k) for k, d in enumerate(descs)]
-    ctx._track(outs)
-    if container is None:
-        return outs[0], None
-    return container(outs), None
 
 
 def _ref(t: torch.Tensor) -> Any:
@@ -219,25 +247,23 @@ def _try_record_inplace(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple
     see the update) or when the out-of-place result would differ in dtype or layout (in-place
     ops cast to `self`'s dtype; let eager mode do that, or raise).
     """
-    self = args[0]
-    node = self._lz_node
-    if node is None or node.is_view or node.has_views or node.container is not None:
+    target: LazyTensor = args[0]
+    old = target._lz_node
+    if old is None or old.is_view or old.has_views or old.container is not None:
         return None, "in-place on an aliased value"
-    out, why = _try_record(ctx, info.functional, info.functional, args, kwargs) \
-        if False else _try_record(ctx, info.functional, op_info(info.functional), args, kwargs)
-    if why is not None:
+    node, why = _make_node(ctx, info.functional, op_info(info.functional), args, kwargs)
+    if node is None:
         return None, why
-    new_node = out._lz_node
-    if new_node.descs[0][:2] != (self.size(), self.stride()) or new_node.descs[0][3] != self.dtype:
+    if target._lz_real is not None:         # a size-limit flush computed it meanwhile
+        return None, "in-place on a computed value"
+    size, stride, _, dtype = node.descs[0]
+    if node.container is not None or (size, stride, dtype) != (target.size(), target.stride(), target.dtype):
         return None, "in-place result differs in dtype or layout"
-    new_node.wrappers[0] = out._lz_node.wrappers[0] and None
-    node.wrappers[0] = None
-    self._lz_node, self._lz_idx = new_node, 0
-    import weakref
-    new_node.wrappers[0] = weakref.ref(self)
-    out._lz_node = None   # the temporary wrapper of the out-of-place result is never used
-    out._lz_real = torch.empty(0)
-    return self, None
+    _commit(ctx, node)
+    old.wrappers[target._lz_idx] = None
+    target._lz_node, target._lz_idx = node, 0
+    node.wrappers[0] = weakref.ref(target)
+    return target, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,35 +285,55 @@ def _collect(a: Any, out: list) -> None:
             _collect(x, out)
 
 
+def _lazies(a: Any, out: list) -> None:
+    if type(a) is LazyTensor:
+        out.append(a)
+    elif type(a) in (list, tuple):
+        for x in a:
+            _lazies(x, out)
+
+
+# Ops that read only the metadata of their tensor argument: a pending argument is replaced by
+# an uninitialized tensor of the same layout instead of being computed (dropout's empty_like).
+_METADATA_ONLY = {aten.empty_like.default, aten.new_empty.default, aten.new_empty_strided.default}
+
+
+def _standin(t: Any) -> Any:
+    if type(t) is LazyTensor and t._lz_real is None:
+        return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    return t
+
+
 def eager_call(func: Any, args: tuple, kwargs: dict, ctx: "LazyContext | None", *, why: str | None = None,
                outside: bool = False) -> Any:
     """Run `func` eagerly: compute pending inputs, protect pending readers of memory it writes,
     run it on real tensors, hand back in-place / out= results as the caller's own tensors."""
     from .context import current_context, open_contexts
     info = _INFO.get(func) or op_info(func)
-    name = str(func)
     if info.mutated:
         written: list = []
         for pos, arg_name in info.mutated:
-            a = args[pos] if pos < len(args) else kwargs.get(arg_name)
-            _collect(a, written)
+            _collect(args[pos] if pos < len(args) else kwargs.get(arg_name), written)
         if written and (any(c.live for c in open_contexts()) or any(type(t) is LazyTensor for t in written)):
-            _before_write(written, f"{name} writes memory that pending values read", ctx)
+            _before_write(written, f"{func} writes memory that pending values read", ctx)
     lazies: list = []
-    _collect(args, lazies)
-    _collect(list(kwargs.values()), lazies)
-    pend = [(t._lz_node, t._lz_idx) for t in lazies if type(t) is LazyTensor and t._lz_real is None]
+    _lazies(args, lazies)
+    if kwargs:
+        _lazies(list(kwargs.values()), lazies)
+    if not lazies:
+        return func(*args, **kwargs)
+    if func in _METADATA_ONLY:
+        return func(*[_standin(a) for a in args], **kwargs)
+    pend = [(t._lz_node, t._lz_idx) for t in lazies if t._lz_real is None]
     if pend:
         if outside:
-            reason = f"{name} outside the lazy block"
+            reason = f"{func} outside the lazy block"
         else:
             reason = _REASONS.get(func._schema.name if hasattr(func, "_schema") else "", None) or \
-                f"{name} is not fusible" + (f" ({why})" if why else "")
+                f"{func} is not fusible" + (f" ({why})" if why else "")
         flush(pend, reason, ctx or current_context())
-    if not lazies or not any(type(t) is LazyTensor for t in lazies):
-        return func(*args, **kwargs)
-    rargs = unwrap(args, name)
-    rkwargs = {k: unwrap(v, name) for k, v in kwargs.items()}
+    rargs = unwrap(args, "eager op")
+    rkwargs = {k: unwrap(v, "eager op") for k, v in kwargs.items()} if kwargs else kwargs
     out = func(*rargs, **rkwargs)
     if info.alias_returns:
         # `y.add_(1)` / `torch.add(a, b, out=y)` return `y` itself, not the real tensor inside it.
@@ -299,13 +345,11 @@ def eager_call(func: Any, args: tuple, kwargs: dict, ctx: "LazyContext | None", 
         out = type(out)(outs) if isinstance(out, (tuple, list)) else outs[0]
     if info.mutated:
         for pos, arg_name in info.mutated:
-            a = args[pos] if pos < len(args) else kwargs.get(arg_name)
             ws: list = []
-            _collect(a, ws)
+            _lazies(args[pos] if pos < len(args) else kwargs.get(arg_name), ws)
             for w in ws:
-                if type(w) is LazyTensor:
-                    _resync(w)
-    elif func is aten.detach.default and type(args[0]) is LazyTensor:
+                _resync(w)
+    elif func is aten.detach.default:
         # keep the type through detach (nn.Parameter(t) requires detach() to return the same class)
         out = materialized_wrapper(out)
     return out
@@ -342,7 +386,7 @@ def _alias_key(ref: Any) -> Any:
             while not node.resolved(k):
                 node, k = node.inputs[0]
             return storage_key(node.results[k])
-        return id(root[0])
+        return ("node", id(root[0]))
     return storage_key(ref)
 
 

@@ -88,7 +88,8 @@ class LazyTensor(torch.Tensor):
 
     def __deepcopy__(self, memo: dict) -> torch.Tensor:
         real = materialize(self, "deepcopy")
-        out = real.clone()
+        with torch._C._DisableTorchDispatch():       # a plain copy, not a recorded clone
+            out = real.clone()
         memo[id(self)] = out
         return out
 

@@ -1,0 +1,200 @@
+"""Benchmark of torchfuse.lazy (eager micro-fusion) on CPU.
+
+    python benchmarks/lazy_bench.py            # full run (a few minutes on 2 cores)
+    python benchmarks/lazy_bench.py --quick    # smaller sizes and fewer repeats
+    python benchmarks/lazy_bench.py --device cuda
+
+Three parts, printed as one markdown table:
+  1. interception overhead: microseconds per op on a tiny tensor, eager vs recorded inside a
+     lazy block (recording only: the flush is outside the timed region);
+  2. a 6-op pointwise chain on a large tensor: eager vs lazy (steady state: the compiled graph
+     comes from the cache) vs torch.compile(backend="torchfuse");
+  3. GPT-2 (HuggingFace, random weights) inference under no_grad: eager vs lazy vs
+     torch.compile(backend="torchfuse").
+Times are medians over interleaved repeats; "speedup" is eager / implementation.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="torchfuse_lazy_bench_")
+os.environ.setdefault("TORCHFUSE_CACHE_DIR", os.path.join(_CACHE_ROOT, "torchfuse"))
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+import torchfuse  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fns: dict[str, Callable[[], object]], device: str, repeats: int, inner: int) -> dict[str, float]:
+    """Median seconds per call of each fn, measured round-robin so that machine load hits all."""
+    for fn in fns.values():
+        fn()
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# 1. interception overhead
+# --------------------------------------------------------------------------------------------
+
+OPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "add scalar (x + 1.0)": lambda x, y: x + 1.0,
+    "mul tensor (x * y)": lambda x, y: x * y,
+    "relu": lambda x, y: x.relu(),
+    "sum(-1) (reduction)": lambda x, y: x.sum(-1),
+    "view (x.view(-1))": lambda x, y: x.view(-1),
+}
+
+
+def interception_overhead(device: str, n: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(op, eager us/op, lazy-recorded us/op).  Each measurement applies the op `n` times to a
+    tiny tensor; the lazy block records them (max_nodes large enough that nothing flushes inside
+    the timed region), then its exit flushes outside the timed region."""
+    x = torch.randn(4, 8, device=device)
+    y = torch.randn(4, 8, device=device)
+    rows = []
+    for name, op in OPS.items():
+        eager, lazy = [], []
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                op(x, y)
+            sync(device)
+            eager.append((time.perf_counter() - t0) / n)
+            with torchfuse.lazy(max_nodes=10 * n):
+                a, b = x + 0.0, y * 1.0          # pending inputs: the common case inside a block
+                t0 = time.perf_counter()
+                outs = [op(a, b) for _ in range(n)]
+                lazy.append((time.perf_counter() - t0) / n)
+                del outs
+        rows.append((name, 1e6 * statistics.median(eager), 1e6 * statistics.median(lazy)))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# 2. pointwise chain, 3. GPT-2
+# --------------------------------------------------------------------------------------------
+
+def chain6(x: torch.Tensor) -> torch.Tensor:
+    return ((x * 1.25 + 0.5).relu() - 0.125).exp().sigmoid()
+
+
+def pointwise_chain(device: str, numel: int, repeats: int) -> dict[str, float]:
+    x = torch.randn(numel, device=device)
+    lazy_chain = torchfuse.lazy(chain6)
+    compiled = torchfuse.compile(chain6)     # = torch.compile(chain6, backend="torchfuse")
+    torch.testing.assert_close(lazy_chain(x), chain6(x))
+    torch.testing.assert_close(compiled(x), chain6(x))
+    return timeit({"eager": lambda: chain6(x), "lazy": lambda: lazy_chain(x),
+                   "torch.compile(torchfuse)": lambda: compiled(x)}, device, repeats, inner=5)
+
+
+def gpt2(device: str, layers: int, embd: int, seq: int, batch: int, repeats: int) -> dict[str, float] | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=embd, n_head=max(1, embd // 64), vocab_size=2048,
+                                  n_positions=max(seq, 64))
+    model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
+    ids = torch.randint(0, 2048, (batch, seq), device=device)
+    compiled = torchfuse.compile(model)      # = torch.compile(model, backend="torchfuse")
+
+    def eager() -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids).logits
+
+    def lazy() -> torch.Tensor:
+        with torch.no_grad(), torchfuse.lazy():
+            out = model(ids).logits
+        return out
+
+    def comp() -> torch.Tensor:
+        with torch.no_grad():
+            return compiled(ids).logits
+
+    ref = eager()
+    torch.testing.assert_close(lazy(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(comp(), ref, atol=1e-3, rtol=1e-3)
+    return timeit({"eager": eager, "lazy": lazy, "torch.compile(torchfuse)": comp}, device, repeats, inner=2)
+
+
+def lazy_flush_profile(device: str, layers: int, embd: int, seq: int, batch: int) -> str:
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=embd, n_head=max(1, embd // 64), vocab_size=2048,
+                                  n_positions=max(seq, 64))
+    model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
+    ids = torch.randint(0, 2048, (batch, seq), device=device)
+    with torch.no_grad():
+        with torchfuse.lazy():
+            model(ids)
+        with torchfuse.lazy() as ctx:
+            model(ids)
+    ops = sum(f.ops for f in ctx.flushes)
+    return (f"{len(ctx.flushes)} flushes, {ops} recorded ops, {ctx.kernels} kernel launches, "
+            f"{sum(f.cache_hit for f in ctx.flushes)}/{len(ctx.flushes)} cache hits")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    device = args.device
+    warnings.filterwarnings("ignore")
+    quick = args.quick
+    reps = 5 if quick else 15
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}\n")
+
+    lines = ["| benchmark | eager | lazy | torch.compile(torchfuse) | lazy speedup | note |",
+             "|---|---|---|---|---|---|"]
+    for name, e, lz in interception_overhead(device, 100 if quick else 200, reps):
+        lines.append(f"| overhead/op: {name} | {e:.1f} us | {lz:.1f} us | - | - | +{lz - e:.1f} us per op, "
+                     f"recording only |")
+
+    numel = (1 << 20) if quick else (1 << 24)
+    t = pointwise_chain(device, numel, reps)
+    lines.append(f"| 6-op pointwise chain, {numel:,} fp32 | {1e3 * t['eager']:.2f} ms | {1e3 * t['lazy']:.2f} ms | "
+                 f"{1e3 * t['torch.compile(torchfuse)']:.2f} ms | {t['eager'] / t['lazy']:.2f}x | "
+                 f"1 kernel, cached graph |")
+
+    shape = (2, 128, 64, 2) if quick else (4, 256, 128, 4)
+    layers, embd, seq, batch = shape
+    t = gpt2(device, layers, embd, seq, batch, reps)
+    if t is None:
+        lines.append("| GPT-2 | - | - | - | - | transformers not installed |")
+    else:
+        prof = lazy_flush_profile(device, layers, embd, seq, batch)
+        lines.append(f"| GPT-2 inference (n_layer={layers}, n_embd={embd}, batch={batch}, seq={seq}) | "
+                     f"{1e3 * t['eager']:.2f} ms | {1e3 * t['lazy']:.2f} ms | "
+                     f"{1e3 * t['torch.compile(torchfuse)']:.2f} ms | {t['eager'] / t['lazy']:.2f}x | {prof} |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

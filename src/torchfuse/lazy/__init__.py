@@ -1,0 +1,47 @@
+"""Eager micro-fusion: run ordinary eager PyTorch code, fuse what can be fused.
+
+    with torchfuse.lazy() as ctx:           # also @torchfuse.lazy, torchfuse.lazy(options={...})
+        y = torch.softmax(x * 2, -1) + b    # recorded, not run: y is a pending LazyTensor
+        z = y @ w                           # mm is not fusible: y's ops compile to one kernel, run
+        print(z.sum().item())               # .item() computes the pending sum
+    ctx.flushes                             # why each flush happened, ops, kernels, cache hits
+
+Design (see the modules for details):
+
+* `mode.LazyMode`, a TorchDispatchMode active inside the block, sees every aten op.  Fusible
+  ops (a lowering in `torchfuse.ir.lowering.LOWERINGS` or a torchfuse decomposition; not random,
+  not mutating; no autograd needed; strided tensors on one CPU/CUDA device) are recorded as
+  `graph.LazyNode`s; their outputs are `tensor.LazyTensor`s, wrapper subclasses with eager
+  mode's sizes, strides and dtype computed by the ops' meta kernels.  Everything else runs
+  eagerly on computed inputs.
+* A flush (`graph.flush`) computes exactly the pending values something needs -- plus values
+  computed on the way that are still referenced -- by replaying their ops under make_fx into an
+  aten graph with FakeTensor metadata, compiling it with `compile_graph` and running it.
+  Compiled graphs are cached by a structural signature (ops, scalar arguments, how nodes
+  connect, leaf dtypes/sizes/strides), so loops compile once per distinct step shape.
+* Flushes happen when a non-fusible op reads a pending value, when data leaves the tensor world
+  (.item(), bool(), print, .tolist(), .numpy(), .data_ptr(), ...), before an op writes memory a
+  pending value read, when the pending graph exceeds `max_nodes` (512), and at the end of the
+  block.  Values nobody references any more are never computed.
+* A computed LazyTensor's own storage is pointed at its result, so it stays a valid tensor after
+  the block (ops on it run eagerly and return plain tensors; the decorator returns plain tensors).
+
+Semantics kept from eager mode: views of pending values stay views after computing (they are
+re-applied to the computed base); in-place ops see and are seen by aliases; values computed from
+memory before an in-place write keep the old contents; random ops run eagerly on the same
+random stream; autograd records exactly what it records in eager mode, because every op that
+needs autograd (a tensor requiring grad under grad mode, or anything in a backward pass) runs
+eagerly -- only the no-grad parts of a program are fused.
+
+Limitations: sizes and scalar arguments are part of the cache signature (compile_graph bakes
+concrete sizes into kernels), so each new size or scalar value compiles once; writes that bypass
+the dispatcher (through `.numpy()` arrays, `data_ptr()` in C extensions) are not seen -- call
+`ctx.flush()` first; a pending LazyTensor has no memory until computed, so C++ code reading its
+data pointer directly must see a computed one; interception costs roughly 15-30 us per op in
+Python, so tiny tensors run slower than eager; factories on CUDA run eagerly.
+"""
+from .context import LazyContext, lazy
+from .graph import FlushRecord, clear_cache
+from .tensor import LazyTensor
+
+__all__ = ["lazy", "LazyContext", "LazyTensor", "FlushRecord", "clear_cache"]

@@ -1,0 +1,266 @@
+"""`torchfuse.lazy`: the context manager / decorator that turns on eager micro-fusion.
+
+    with torchfuse.lazy() as ctx:          # or @torchfuse.lazy, or torchfuse.lazy(options={...})
+        y = (x * 2 + 1).relu().sum(-1)     # recorded, not run
+        z = y @ w                          # matmul is not fusible: y's ops are compiled and run
+    print(ctx.flushes)                     # why each flush happened, ops, kernels, cache hits
+
+Every lazy block keeps its own log of flushes (`ctx.flushes`, `ctx.explain()`); with
+`options={"debug": True}` compile_graph writes every compiled graph's stages to the debug folder
+and the block writes its flush log there as `lazy_<n>.txt` when it ends.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
+
+from ..api import Explanation
+from ..config import Config
+from .graph import FlushRecord, LazyNode, flush
+from .mode import LazyMode
+from .tensor import LazyTensor
+
+log = logging.getLogger("torchfuse.lazy")
+
+DEFAULT_MAX_NODES = 512
+MAX_LOG = 20000
+_ids = itertools.count()
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.contexts: list[LazyContext] = []   # open lazy blocks of this thread, innermost last
+
+
+_state = _State()
+
+
+def open_contexts() -> list["LazyContext"]:
+    return _state.contexts
+
+
+def current_context() -> "LazyContext | None":
+    return _state.contexts[-1] if _state.contexts else None
+
+
+_default: "LazyContext | None" = None
+
+
+def default_context() -> "LazyContext":
+    """Logs flushes of values whose block has ended (e.g. a flush at exit that failed)."""
+    global _default
+    if _default is None:
+        _default = LazyContext()
+    return _default
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Run torch code without lazy recording (flushes, compiled graphs, printing): pop our modes
+    off the top of the dispatch mode stack and put them back afterwards."""
+    popped = []
+    while isinstance(_get_current_dispatch_mode(), LazyMode):
+        popped.append(_pop_mode())
+    try:
+        yield
+    finally:
+        for m in reversed(popped):
+            _push_mode(m)
+
+
+class LazyContext:
+    """One lazy block (reusable: each `with` / decorated call enters it again).
+
+    `flushes`: a `FlushRecord` per flush (reason, ops, outputs, kernels, cache hit, time); the
+    newest MAX_LOG of them (`num_flushes` counts all).
+    `report`: a `torchfuse.Explanation` with the graphs and kernels compiled for this block.
+    """
+
+    def __init__(self, options: Mapping[str, Any] | None = None, max_nodes: int = DEFAULT_MAX_NODES):
+        self.config = Config.from_options(options)
+        self.max_nodes = max_nodes
+        self.forced_fallbacks = frozenset(self.config.fallback_ops)
+        self.flushes: list[FlushRecord] = []    # the newest MAX_LOG flushes at most
+        self.num_flushes = 0                    # all flushes, including those trimmed from the log
+        self.report = Explanation()
+        self.live: list[weakref.ref] = []       # wrappers handed out while pending
+        self.recorded = 0                       # estimate of the pending graph's size (see mode)
+        self.id = next(_ids)
+        self._entered: list[tuple[LazyMode, LazyMode | None]] = []
+
+    # -- context manager / decorator -------------------------------------------------------
+    def __enter__(self) -> "LazyContext":
+        _install_print_guard()
+        # Only one lazy mode on the stack: a nested block replaces the outer one until it ends
+        # (values of the outer block stay pending and can be used inside).
+        outer = _pop_mode() if isinstance(_get_current_dispatch_mode(), LazyMode) else None
+        mode = LazyMode(self)
+        _push_mode(mode)
+        self._entered.append((mode, outer))
+        _state.contexts.append(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        mode, outer = self._entered.pop()
+        popped = _pop_mode()
+        if popped is not mode:      # someone left a mode of their own on top of ours
+            _push_mode(popped)
+            log.warning("torchfuse.lazy: dispatch modes were not exited in order")
+        for i in range(len(_state.contexts) - 1, -1, -1):
+            if _state.contexts[i] is self:
+                del _state.contexts[i]
+                break
+        try:
+            self.flush_all("end of the lazy block")
+        except Exception:
+            if exc_type is None:
+                raise
+            log.exception("torchfuse.lazy: flushing at the end of a block that raised failed")
+        finally:
+            if outer is not None:
+                _push_mode(outer)
+            self._write_debug_log()
+
+    def __call__(self, fn: Callable) -> Callable:
+        """Decorator: run `fn` inside this block.  Returned LazyTensors come back as the plain
+        tensors computed for them (no autograd history is lost: those never require grad)."""
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                out = fn(*args, **kwargs)
+            return torch.utils._pytree.tree_map_only(LazyTensor, _plain, out)
+        wrapper.lazy_context = self  # type: ignore[attr-defined]
+        return wrapper
+
+    # -- flushing ----------------------------------------------------------------------------
+    def pending_values(self) -> list[tuple[LazyNode, int]]:
+        """(node, output) of every live wrapper of this block that is still pending; drops
+        dead and computed entries from the list."""
+        out, keep = [], []
+        for ref in self.live:
+            w = ref()
+            if w is not None and w._lz_real is None and w._lz_node is not None:
+                keep.append(ref)
+                out.append((w._lz_node, w._lz_idx))
+        self.live = keep
+        return out
+
+    def flush(self) -> None:
+        """Compute every live pending value of this block now."""
+        self.flush_all("ctx.flush()")
+
+    def flush_all(self, reason: str) -> None:
+        values = self.pending_values()
+        self.recorded = 0
+        if values:
+            flush(values, reason, self)
+
+    def _track(self, refs: list) -> None:
+        """Remember weak references to new pending wrappers (for the flush at exit)."""
+        self.live.extend(refs)
+        if len(self.live) > 4 * self.max_nodes:
+            self.pending_values()         # prune
+
+    def _log_flush(self, record: FlushRecord) -> None:
+        self.flushes.append(record)
+        self.num_flushes += 1
+        if len(self.flushes) > MAX_LOG:
+            # A block that runs a long loop must not grow its log forever: keep the newest half.
+            del self.flushes[:MAX_LOG // 2]
+        self.recorded = len(self.pending_values())
+        log.debug("lazy block %d: flush: %s", self.id, record)
+
+    def _log_compile(self, report: Explanation) -> None:
+        self.report.graphs += report.graphs
+        self.report.kernels += report.kernels
+        self.report.fallbacks += report.fallbacks
+        self.report.refused_fusions += report.refused_fusions
+        self.report.passes += report.passes
+
+    # -- reporting ---------------------------------------------------------------------------
+    @property
+    def kernels(self) -> int:
+        """Kernels run by this block's flushes (compiled or taken from the cache)."""
+        return sum(f.kernels for f in self.flushes)
+
+    def explain(self) -> str:
+        lines = [f"torchfuse.lazy block {self.id}: {len(self.flushes)} flush(es), "
+                 f"{sum(f.ops for f in self.flushes)} op(s), {self.kernels} kernel launch(es), "
+                 f"{sum(not f.cache_hit for f in self.flushes)} compiled graph(s)"]
+        for i, f in enumerate(self.flushes):
+            lines.append(f"  #{i}: {f}")
+            lines.append(f"       ops: {', '.join(f.op_names)}")
+        if self.report.kernels:
+            lines.append("kernels compiled:")
+            lines += [f"  {k}" for k in self.report.kernels]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<torchfuse.lazy block {self.id}: {len(self.flushes)} flush(es)>"
+
+    def _write_debug_log(self) -> None:
+        if not self.config.debug or not self.flushes:
+            return
+        try:
+            path = self.config.debug_dir
+            path.mkdir(parents=True, exist_ok=True)
+            (path / f"lazy_{self.id}.txt").write_text(self.explain() + "\n")
+        except OSError as e:
+            log.warning("torchfuse.lazy: could not write the debug log: %s", e)
+
+
+def _plain(t: LazyTensor) -> torch.Tensor:
+    if t._lz_real is not None and not t.requires_grad and t.grad_fn is None:
+        return t._lz_real
+    return t
+
+
+def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None,
+         max_nodes: int = DEFAULT_MAX_NODES) -> Any:
+    """Eager micro-fusion: inside the block fusible aten ops are recorded and compiled in
+    batches by torchfuse when their results are needed.
+
+    `with torchfuse.lazy() as ctx:` / `@torchfuse.lazy` / `@torchfuse.lazy(options={...})`.
+    `options` are torchfuse's compile options (see `torchfuse.Config`); `max_nodes` bounds the
+    number of ops recorded before everything pending is flushed.
+    """
+    if fn is not None:
+        if not callable(fn):
+            raise TypeError("torchfuse.lazy: pass options by keyword: torchfuse.lazy(options={...})")
+        return LazyContext(options, max_nodes)(fn)
+    return LazyContext(options, max_nodes)
+
+
+# --------------------------------------------------------------------------------------------
+# printing a plain tensor inside a block
+# --------------------------------------------------------------------------------------------
+
+_print_guard_installed = False
+
+
+def _install_print_guard() -> None:
+    """`print(x)` of a plain tensor formats it with a dozen small aten ops (abs, isfinite, max,
+    item, ...).  Inside a lazy block they would be recorded and flushed one by one; format with
+    the lazy mode suspended instead.  Outside lazy blocks the wrapper only checks a list."""
+    global _print_guard_installed
+    if _print_guard_installed:
+        return
+    import torch._tensor_str as ts
+    original = ts._str
+
+    @functools.wraps(original)
+    def _str(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
+        if _state.contexts:
+            with suspended():
+                return original(self, tensor_contents=tensor_contents)
+        return original(self, tensor_contents=tensor_contents)
+    ts._str = _str
+    _print_guard_installed = True
