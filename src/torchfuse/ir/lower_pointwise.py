@@ -13,11 +13,33 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .buffers import ComputedValue, TensorValue, Unsupported
-from .lowering import GraphLowering, register, sym_to_node
+from .lowering import GraphLowering, register as _register, sym_to_node
 from .nodes import INDEX, Node, cast, const, op, where
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+
+
+def _complex(x: Any) -> bool:
+    if isinstance(x, (TensorValue, torch.Tensor)):
+        return x.dtype.is_complex
+    if isinstance(x, (list, tuple)):
+        return any(_complex(y) for y in x)
+    return isinstance(x, complex)
+
+
+def register(*targets: Any) -> Callable:
+    """`lowering.register` for the op lowerings (pointwise, views, reductions): an op with a complex
+    input or output runs through ATen instead, since the code generators have no complex types."""
+    def deco(fn: Callable) -> Callable:
+        def lower(lw: GraphLowering, *args: Any, **kwargs: Any) -> Any:
+            if _complex(lw.out_meta()) or _complex(args) or _complex(list(kwargs.values())):
+                raise Unsupported("complex dtypes")
+            return fn(lw, *args, **kwargs)
+        lower.__name__ = lower.__qualname__ = getattr(fn, "__name__", "lower")
+        _register(*targets)(lower)
+        return fn
+    return deco
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 

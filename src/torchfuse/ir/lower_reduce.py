@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import torch
 
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
-from .lower_pointwise import upcast
-from .lowering import GraphLowering, register
+from .lower_pointwise import register, upcast
+from .lowering import GraphLowering
 from .nodes import INDEX, Node, cast, const, op
 
 aten = torch.ops.aten

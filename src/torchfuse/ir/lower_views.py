@@ -12,20 +12,21 @@ from typing import Any, Sequence
 import torch
 
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
-from .lower_pointwise import bcast_load, upcast
-from .lowering import GraphLowering, layout_of, meta_val, register, shape_of, sym_to_node
+from .lower_pointwise import bcast_load, register, upcast
+from .lowering import GraphLowering, layout_of, meta_val, shape_of, sym_to_node
 from .nodes import INDEX, Node, cast, const, floordiv, load, mod, op, where
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 
-def _meta_view(lw: GraphLowering, x: Any) -> StridedValue | None:
-    """Zero-copy view when `x` is stored exactly as its fx node's fake tensor says."""
+def _meta_view(lw: GraphLowering, x: Any, out: Any = None) -> StridedValue | None:
+    """Zero-copy view when `x` is stored exactly as its fx node's fake tensor says (`out`: the
+    fake tensor of the view, by default the node's own)."""
     if not isinstance(x, StridedValue):
         return None
     src = lw.current.args[0]
-    meta_in, meta_out = meta_val(src), lw.out_meta()
+    meta_in, meta_out = meta_val(src), lw.out_meta() if out is None else out
     if not isinstance(meta_in, torch.Tensor) or not isinstance(meta_out, torch.Tensor):
         return None
     lin = layout_of(meta_in)
@@ -119,6 +120,8 @@ def _unsqueeze(lw, x, dim):
 
 @register(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 def _squeeze(lw, x, dims=None):
+    if x.ndim == 0:
+        return x              # squeeze(0) / squeeze(-1) of a 0-d tensor is the tensor itself
     if dims is None:
         dims = [k for k, s in enumerate(x.shape) if s.op == "const" and s.arg == 1]
     elif isinstance(dims, int):
@@ -185,6 +188,9 @@ def _as_strided(lw, x, size, stride, storage_offset=None):
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 def _split(lw, x, split=None, dim=0):
     outs = lw.out_meta()
+    views = [_meta_view(lw, x, meta) for meta in outs]
+    if views and all(v is not None for v in views):
+        return tuple(views)     # zero-copy pieces of a stored tensor, aliasing it as in eager
     if lw.current.target == aten.unbind.int:
         dim = split if split is not None else 0
     dim = _norm(dim, x.ndim)

@@ -33,7 +33,8 @@ FLOATS = ("float32", "float64")
 INTS = ("int32", "int64")
 DTYPES = ("float32", "float32", "float64", "int32", "int64", "bool")
 LAYOUTS = ("contiguous", "transposed", "strided", "offset", "expanded")
-SIZES = (1, 2, 3, 5, 7, 8, 4, 6, 16)
+SIZES = (5, 1, 3, 7, 2, 8, 4, 6, 16, 1)
+RANKS = (2, 3, 1, 4, 0, 2, 3)
 MAX_NUMEL = 512
 
 DEFAULT_REGRESSION_DIR = Path(__file__).resolve().parents[3] / "tests" / "fuzz" / "regressions"
@@ -135,7 +136,7 @@ class _Builder:
 
     def shape(self, max_rank: int = 4) -> tuple[int, ...]:
         st = self.st
-        rank = self.draw(st.integers(0, max_rank))
+        rank = min(self.draw(st.sampled_from(RANKS)), max_rank)
         dims = [self.draw(st.sampled_from(SIZES)) for _ in range(rank)]
         while dims and _numel(dims) > MAX_NUMEL:
             dims.pop()
@@ -191,7 +192,7 @@ class _Builder:
     def step(self) -> None:
         st, draw = self.st, self.draw
         kind = draw(st.sampled_from(("unary", "binary", "scalar", "view", "reduce", "cast", "inplace",
-                                     "binary", "unary", "view", "where", "cat")))
+                                     "binary", "unary", "view", "where", "cat", "reduce", "misc", "view")))
         x = self.pick()
         if x is None:
             return
@@ -229,6 +230,36 @@ class _Builder:
             self.view(x, t)
         elif kind == "inplace":
             self.inplace(x, t)
+        elif kind == "misc":
+            self.misc(x, t)
+
+    def misc(self, x: str, t: torch.Tensor) -> None:
+        """Index remapping that is not a view: roll, pad, tril, index_select, gather, repeat."""
+        st, draw = self.st, self.draw
+        if t.ndim == 0:
+            return
+        d = self.dim(t)
+        size = t.shape[d]
+        kind = draw(st.sampled_from(("roll", "pad", "tril", "index_select", "gather", "repeat", "flip2")))
+        if kind == "roll":
+            self.try_line(f"torch.roll({x}, {draw(st.integers(-size - 1, size + 1))}, {d})")
+        elif kind == "pad":
+            lo, hi = draw(st.integers(-1, 2)), draw(st.integers(0, 2))
+            value = draw(st.sampled_from(("0", "1.5", "-1")))
+            self.try_line(f"torch.nn.functional.pad({x}, ({lo}, {hi}), value={value})")
+        elif kind == "tril" and t.ndim >= 2:
+            fn = draw(st.sampled_from(("tril", "triu")))
+            self.try_line(f"torch.{fn}({x}, {draw(st.integers(-2, 2))})")
+        elif kind == "index_select":
+            idx = [draw(st.integers(0, max(size - 1, 0))) for _ in range(draw(st.integers(1, 4)))]
+            self.try_line(f"torch.index_select({x}, {d}, torch.tensor({idx}))")
+        elif kind == "gather":
+            self.try_line(f"torch.gather({x}, {d}, {x}.argmax({d}, keepdim=True).expand_as({x}).flip({d}))")
+        elif kind == "repeat":
+            reps = [draw(st.sampled_from((1, 2, 3))) for _ in range(t.ndim + draw(st.integers(0, 1)))]
+            self.try_line(f"{x}.repeat({', '.join(map(str, reps))})")
+        elif kind == "flip2" and t.ndim >= 2:
+            self.try_line(f"{x}.flip(0, -1)")
 
     def reduce(self, x: str, t: torch.Tensor) -> None:
         st, draw = self.st, self.draw
@@ -241,12 +272,13 @@ class _Builder:
                 d2 = (int(dim) + 1) % t.ndim
                 dim = f"({int(dim) % t.ndim}, {d2})"
         keep = draw(st.booleans())
-        self.try_line(fn.format(x=x, dims=dim, dim=dim or "0", keep=keep))
+        dims = dim if dim or "dim={dims}" not in fn else "None"
+        self.try_line(fn.format(x=x, dims=dims, dim=dim or "0", keep=keep))
 
     def view(self, x: str, t: torch.Tensor) -> None:
         st, draw = self.st, self.draw
         kind = draw(st.sampled_from(("permute", "transpose", "slice", "select", "unsqueeze", "squeeze",
-                                     "expand", "reshape", "flip", "t")))
+                                     "expand", "reshape", "flip", "t", "chunk", "unbind")))
         nd = t.ndim
         if kind == "permute" and nd >= 2:
             perm = draw(st.permutations(list(range(nd))))
@@ -281,6 +313,13 @@ class _Builder:
         elif kind == "reshape":
             shape = _refactor(list(t.shape), draw, st)
             self.try_line(f"{x}.reshape({', '.join(map(str, shape))}{',' if len(shape) == 1 else ''})")
+        elif kind == "chunk" and nd >= 1:
+            d = self.dim(t)
+            n = draw(st.integers(1, 3))
+            self.try_line(f"{x}.chunk({n}, {d})[{draw(st.integers(-1, n - 1))}]")
+        elif kind == "unbind" and nd >= 1:
+            d = self.dim(t) % nd
+            self.try_line(f"{x}.unbind({d})[{draw(st.integers(0, max(t.shape[d] - 1, 0)))}]")
         elif kind == "flip" and nd >= 1:
             self.try_line(f"{x}.flip({self.dim(t)})")
 
@@ -422,7 +461,32 @@ class Mismatch(AssertionError):
     pass
 
 
-def compare(got: Any, expected: Any, what: str) -> None:
+def _loosest(dtypes: Sequence[torch.dtype]) -> tuple[float, float]:
+    tols = [TOL[d] for d in dtypes if d in TOL]
+    return (max(t[0] for t in tols), max(t[1] for t in tols)) if tols else (0.0, 0.0)
+
+
+def _eager_with_dtypes(fn: Callable, inputs: Sequence[torch.Tensor]) -> tuple[Any, set[torch.dtype]]:
+    """Run `fn` eagerly and collect the dtype of every tensor any aten op produced: a float64
+    output computed through float32 intermediates is only as accurate as float32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[torch.dtype] = {t.dtype for t in inputs}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(o, torch.Tensor):
+                    seen.add(o.dtype)
+            return out
+
+    with Record():
+        out = fn(*inputs)
+    return out, seen
+
+
+def compare(got: Any, expected: Any, what: str, tol: tuple[float, float] | None = None) -> None:
     g = got if isinstance(got, (list, tuple)) else [got]
     e = expected if isinstance(expected, (list, tuple)) else [expected]
     if len(g) != len(e):
@@ -435,7 +499,7 @@ def compare(got: Any, expected: Any, what: str) -> None:
             raise Mismatch(f"{label}: shape {tuple(a.shape)} != eager {tuple(b.shape)}")
         if a.dtype != b.dtype:
             raise Mismatch(f"{label}: dtype {a.dtype} != eager {b.dtype}")
-        atol, rtol = TOL.get(b.dtype, (0, 0))
+        atol, rtol = tol if tol is not None and b.dtype.is_floating_point else TOL.get(b.dtype, (0, 0))
         try:
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol, equal_nan=True, check_stride=False)
         except AssertionError as err:
@@ -444,22 +508,24 @@ def compare(got: Any, expected: Any, what: str) -> None:
 
 def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None = None) -> None:
     """Run `fn` eagerly and through torchfuse on copies of `inputs`; outputs and the inputs after
-    the call (in-place ops) must match.  Build errors raise (strict mode)."""
+    the call (in-place ops) must match, floats within the tolerance of the least precise float
+    dtype the program computes in.  Build errors raise (strict mode)."""
     from ..config import Config
     from ..frontend.dynamo import TorchfuseBackend
 
     eager_in, tf_in = copy.deepcopy(list(inputs)), copy.deepcopy(list(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        expected = fn(*eager_in)
+        expected, dtypes = _eager_with_dtypes(fn, eager_in)
         torch._dynamo.reset()
         try:
             backend = TorchfuseBackend(Config.from_options({"strict": True, **(options or {})}))
             got = torch.compile(fn, backend=backend, dynamic=False)(*tf_in)
         finally:
             torch._dynamo.reset()
-    compare(got, expected, "output")
-    compare(tf_in, eager_in, "input (after the call)")
+    tol = _loosest(sorted(dtypes, key=str))
+    compare(got, expected, "output", tol)
+    compare(tf_in, eager_in, "input (after the call)", tol)
 
 
 def check_program(prog: Program, options: dict | None = None) -> None:
@@ -513,12 +579,26 @@ class FuzzResult:
     failure: Program | None = None
     error: str = ""
     regression: Path | None = None
+    known: int = 0             # programs that hit a bug of KNOWN_BUGS (counted, not reported)
+
+
+# Open bugs outside the op lowerings, with an xfailed repro each (tests/fuzz/regressions,
+# tests/opinfo/test_known_failures.py): (pattern of the error text, the bug).  With
+# `ignore_known` a program failing this way counts as known instead of failing the run, so the
+# fuzzer goes on looking for new bugs.
+KNOWN_BUGS = [
+    (r"setStorage: .* out of bounds for storage|invalid storage offset",
+     "lowering.py _lower_outputs: graph outputs that view one unrealized value alias a buffer "
+     "holding only one of them"),
+]
 
 
 def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, out_dir: Path | str | None =
-             DEFAULT_REGRESSION_DIR, options: dict | None = None, verbose: bool = False) -> FuzzResult:
+             DEFAULT_REGRESSION_DIR, options: dict | None = None, verbose: bool = False,
+             ignore_known: bool = True) -> FuzzResult:
     """Check `max_examples` random programs; on a failure, shrink it and (if `out_dir`) write the
     minimal program as a regression test.  `seed=None` draws fresh programs every run."""
+    import re
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
@@ -537,7 +617,11 @@ def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, 
         try:
             check_program(prog, options)
         except Exception as e:
-            last["prog"], last["error"] = prog, f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
+            if ignore_known and any(re.search(pat, error) for pat, _ in KNOWN_BUGS):
+                state.known += 1
+                return
+            last["prog"], last["error"] = prog, error
             raise
 
     if seed is not None:
@@ -561,13 +645,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out-dir", default=str(DEFAULT_REGRESSION_DIR), help="where regression tests go")
     p.add_argument("--no-write", action="store_true", help="do not write a regression test")
     p.add_argument("--verbose", action="store_true", help="print every program")
+    p.add_argument("--report-known", action="store_true", help="fail on the bugs of KNOWN_BUGS too")
     a = p.parse_args(argv)
     r = run_fuzz(a.examples, seed=a.seed, max_ops=a.max_ops, out_dir=None if a.no_write else a.out_dir,
-                 verbose=a.verbose)
+                 verbose=a.verbose, ignore_known=not a.report_known)
+    known = f" ({r.known} hit a known bug of KNOWN_BUGS)" if r.known else ""
     if r.failure is None:
-        print(f"{r.examples} programs: no failure")
+        print(f"{r.examples} programs: no failure{known}")
         return 0
-    print(f"failure after {r.examples} programs (incl. shrinking):\n{r.failure}\n{r.error[:2000]}")
+    print(f"failure after {r.examples} programs (incl. shrinking){known}:\n{r.failure}\n{r.error[:2000]}")
     if r.regression:
         print(f"regression test written to {r.regression}")
     return 1

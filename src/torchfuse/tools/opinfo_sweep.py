@@ -16,6 +16,8 @@ Each op ends up in one of these classes:
     crash     torchfuse raised (or the process died / timed out) where eager and aot_eager succeed
     skipped   the dtype is unsupported, no sample runs eagerly, Dynamo/AOTAutograd itself fails,
               or no graph reached torchfuse
+    xfail     a crash or mismatch listed in KNOWN_FAILURES: a known bug outside the op lowerings,
+              with its minimal repro (tests/opinfo/test_known_failures.py)
 
 Random ops (and ops returning uninitialized memory) are compared by shape and dtype only.
 The CLI runs the ops in a worker process and restarts it after a segfault or a hang, so one
@@ -39,8 +41,20 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-STATUSES = ("lowered", "fallback", "mismatch", "crash", "skipped")
-_RANK = {"skipped": 0, "lowered": 1, "fallback": 2, "mismatch": 3, "crash": 4}
+STATUSES = ("lowered", "fallback", "mismatch", "crash", "xfail", "skipped")
+_RANK = {"skipped": 0, "lowered": 1, "fallback": 2, "xfail": 3, "mismatch": 3, "crash": 4}
+
+# Known crashes/mismatches whose fix lies outside the op lowerings and code generator (op key ->
+# the bug); each has a minimal repro, xfailed, in tests/opinfo/test_known_failures.py.
+_EFFECT_TOKEN = ("wrapper.py: the effect-token input of a graph with `with_effects` (linalg error checks) "
+                 "is None at run time, and the wrapper's input restride check calls .stride() on it")
+KNOWN_FAILURES = {
+    "unsafe_split": "wrapper.py: an ATen fallback returning a 1-element list binds the list itself, "
+                    "not its element (`buf = op(...)` instead of `buf = op(...)[0]`)",
+    "linalg.cholesky": _EFFECT_TOKEN, "linalg.ldl_factor": _EFFECT_TOKEN, "linalg.lu_factor": _EFFECT_TOKEN,
+    "linalg.inv": _EFFECT_TOKEN, "linalg.solve": _EFFECT_TOKEN, "linalg.tensorinv": _EFFECT_TOKEN,
+    "linalg.tensorsolve": _EFFECT_TOKEN,
+}
 
 # The fast subset CI runs: common pointwise, reduction, normalization, view and indexing ops.
 SUBSET = [
@@ -246,7 +260,7 @@ def _short_error(exc: BaseException) -> str:
     while id(inner) not in seen and (inner.__cause__ is not None or getattr(inner, "inner_exception", None)):
         seen.add(id(inner))
         inner = getattr(inner, "inner_exception", None) or inner.__cause__
-    text = f"{type(inner).__name__}: {inner}".strip().replace("\n", " ")
+    text = f"{type(inner).__name__}: {str(inner).split('Set TORCHDYNAMO_VERBOSE')[0]}".strip().replace("\n", " ")
     where = ""
     for fr in _frames(inner):
         if f"{os.sep}torchfuse{os.sep}" in fr.filename and f"{os.sep}tools{os.sep}" not in fr.filename:
@@ -436,6 +450,9 @@ def run_op(op: Any, dtype: torch.dtype = torch.float32, device: str = "cpu", max
                 statuses.append(("lowered", ""))
         worst = max(statuses, key=lambda s: _RANK[s[0]])
         result.status = worst[0]
+        if result.status in ("crash", "mismatch") and key in KNOWN_FAILURES:
+            statuses.append(("xfail", f"known: {KNOWN_FAILURES[key]} (was: {worst[1][:150]})"))
+            result.status = "xfail"
         if result.status == "skipped" and any(s == "lowered" for s, _ in statuses):
             result.status = "lowered"
         result.fallbacks = list(fallbacks)
