@@ -133,6 +133,7 @@ class FallbackCall:
     outputs: list[str | None]     # buffer name per output (None for non-tensor outputs)
     reason: str
     binds: list[tuple[str, str, int]] = field(default_factory=list)   # (symbol, buffer, dim) known after the call
+    multi: bool = False           # the op returns a tuple/list (even of one element)
 
     def __str__(self) -> str:
         return f"{', '.join(o or '_' for o in self.outputs)} = {self.target}(...)  # ATen: {self.reason}"

@@ -52,6 +52,16 @@ def _norm(d: int, n: int) -> int:
     return d + n if d < 0 else d
 
 
+def _empty(shape: Sequence[Node]) -> bool:
+    return any(s.op == "const" and s.arg == 0 for s in shape)
+
+
+def _nothing(lw: GraphLowering, x: TensorValue) -> ComputedValue:
+    """An empty result: its loops never run, so the body only needs to be well formed (the index
+    maths of a reshape or repeat would divide by the zero size)."""
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load([const(0)] * x.ndim))
+
+
 @register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view.dtype)
 def _view(lw, x, size):
     if isinstance(size, torch.dtype):
@@ -62,6 +72,8 @@ def _view(lw, x, size):
     in_shape = x.shape
     if out_shape == in_shape:
         return x
+    if _empty(out_shape):
+        return _meta_view(lw, x) or _nothing(lw, x)
     in_strides = contiguous_strides(in_shape)
     out_strides = contiguous_strides(out_shape)
 
@@ -232,6 +244,8 @@ def _rolled(i: Node, shift: Any, size: Node) -> Node:
 
 @register(aten.roll.default)
 def _roll(lw, x, shifts, dims=()):
+    if _empty(x.shape):
+        return _nothing(lw, x)
     if not dims:
         # roll of the flattened tensor: flat index -> rolled flat index -> n-d index
         if len(shifts) != 1:
@@ -275,6 +289,8 @@ def _diagonal(lw, x, offset=0, dim1=0, dim2=1):
 
 @register(aten.repeat.default)
 def _repeat(lw, x, repeats):
+    if _empty(lw.out_shape()):
+        return _nothing(lw, x)
     off = len(repeats) - x.ndim
     return ComputedValue(lw.out_shape(), x.dtype,
                          lambda idx: x.load([mod(idx[off + k], s) for k, s in enumerate(x.shape)]))

@@ -390,7 +390,8 @@ class GraphLowering:
             else:
                 outputs.append(None)
                 values.append(sym_to_node(v) if isinstance(v, (int, torch.SymInt)) and not isinstance(v, bool) else v)
-        self.steps.append(FallbackCall(node.name, node.target, args, kwargs, outputs, reason, binds))
+        self.steps.append(FallbackCall(node.name, node.target, args, kwargs, outputs, reason, binds,
+                                       multi=isinstance(val, (list, tuple))))
         self.fallback_reasons.append((node.name, str(node.target), reason))
         self.env[node] = type(val)(values) if isinstance(val, (list, tuple)) else values[0]
 
@@ -424,7 +425,10 @@ class GraphLowering:
                     except Unsupported:
                         pass
             results[i] = self._lower_output(a)
-            if key is not None and isinstance(results[i], str) and results[i] in self.buffer_meta:
+            if key is not None and isinstance(results[i], str) and results[i] in self.buffer_meta \
+                    and _covers_storage(meta):
+                # only a root (non-view) output may serve as the base others alias: a view's
+                # buffer holds just its own elements, not the whole storage
                 bases.setdefault(key, (a, results[i]))
         return results
 
@@ -465,6 +469,17 @@ def _symfloat_to_node(v: "torch.SymFloat") -> Node:
     if type(expr).__name__ == "ToFloat":
         return Node("cast", (_sympy_to_node(expr.args[0]),), torch.float64, torch.float64)
     raise Unsupported(f"symbolic float {expr}")
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    """True when `t` is its storage's whole, dense content (so views of the storage are views of t)."""
+    if any(isinstance(v, torch.SymInt) and v.node.maybe_as_int() is None for v in t.shape):
+        return False                      # would install guards on symbolic sizes
+    try:
+        return (is_dense(t) and t.storage_offset() == 0
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    except Exception:
+        return False
 
 
 def _plain_symbol(v: Any) -> str | None:

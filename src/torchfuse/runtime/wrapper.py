@@ -97,7 +97,9 @@ class WrapperBuilder:
                     continue
                 got = "(" + "".join(f"in{i}.stride({d}), " for d in dims) + ")"
                 want = _tuple([strides[d] for d in dims])
-                L.append(f"    if {got} != {want}: in{i} = _restride(in{i}, {_tuple(sizes)}, {_tuple(strides)})")
+                # (an input traced as a tensor may be None at run time: AOTAutograd effect tokens)
+                L.append(f"    if in{i} is not None and {got} != {want}: "
+                         f"in{i} = _restride(in{i}, {_tuple(sizes)}, {_tuple(strides)})")
         last_use = self._last_uses()
         for pos, item in enumerate(self.items):
             if isinstance(item, Kernel):
@@ -149,7 +151,7 @@ class WrapperBuilder:
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
         tensors = [o for o in item.outputs if o is not None and o in self.program.buffer_meta]
         named = [o for o in item.outputs if o is not None]
-        if len(item.outputs) == 1 and named:
+        if len(item.outputs) == 1 and named and not item.multi:
             L.append(f"    {named[0]} = {call}")
         elif named:
             tmp = f"_r_{item.node_name}"

@@ -1,0 +1,42 @@
+"""Focused tests for the lowering bugs the OpInfo sweep and the fuzzer found (and that are fixed)."""
+from __future__ import annotations
+
+import torch
+
+
+def test_squeeze_of_0d(tf):
+    # OpInfo squeeze sample 7: squeeze(0) of a 0-d tensor indexed its (missing) dim 0
+    tf.check(lambda x: x.sin().squeeze(0), torch.tensor(0.5))
+    tf.check(lambda x: x.sin().squeeze(-1) + 1, torch.tensor(0.5))
+
+
+def test_index_select_of_0d(tf):
+    # OpInfo index_select sample 0: a 0-d input has no dim to index
+    tf.check(lambda x, i: torch.index_select(x.cos(), 0, i), torch.tensor(0.25), torch.tensor([0]))
+
+
+def test_split_of_input_is_zero_copy(tf):
+    # OpInfo chunk/split/unbind: the pieces of a stored tensor are views of it, as in eager
+    x = torch.randn(6, 5)
+    e = tf.check(lambda x: torch.split(x, 2), x, min_kernels=0)
+    assert all(o.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for o in e.output)
+    tf.check(lambda x: x.unbind(1), x, min_kernels=0)
+    tf.check(lambda x: [c * 2 for c in x.chunk(3, 0)], x)
+
+
+def test_complex_values_fall_back(tf):
+    # OpInfo fft.fft2: constant_pad_nd of a complex tensor reached the C++ code generator
+    x = torch.randn(3, 4)
+    fn = lambda x: torch.nn.functional.pad(x.to(torch.complex64), (1, 2)) * 2  # noqa: E731
+    expected = fn(x)
+    e = tf.explain(fn, x)
+    assert {f.reason for f in e.fallbacks} == {"complex dtypes"}
+    torch.testing.assert_close(e.output, expected)
+
+
+def test_empty_repeat_reshape_roll(tf):
+    # fuzzer: index maths modulo a zero size (ZeroDivisionError at compile time)
+    x = torch.randn(5, 5, 5)
+    tf.check(lambda x: x[0:0].neg().repeat(1, 2, 1), x, min_kernels=0)
+    tf.check(lambda x: x[:, 0:0].neg().reshape(-1, 5), x, min_kernels=0)
+    tf.check(lambda x: torch.roll(x[:, 0:0].neg(), 2), x, min_kernels=0)
