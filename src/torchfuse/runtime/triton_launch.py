@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,7 +25,7 @@ PERSISTENT_LIMIT = 32768
 LOOPED_RBLOCK = 2048
 POINTWISE_XBLOCK = 1024
 
-_modules: dict[str, ModuleType] = {}
+_modules: "OrderedDict[str, ModuleType]" = OrderedDict()   # LRU, bounded by config.memory_cache_size
 _autotune_modules: dict[str, bool] = {}
 _tuned: dict[str, tuple[int, int]] = {}
 _tuned_path: Path | None = None
@@ -42,6 +43,7 @@ def load_module(source: str, config: Config) -> ModuleType:
     key = hashlib.sha256(source.encode()).hexdigest()[:32]
     if key in _modules:
         counters.bump("cache_hits_memory")
+        _modules.move_to_end(key)
         return _modules[key]
     try:
         folder = Path(config.cache_dir) / "triton"
@@ -69,6 +71,9 @@ def load_module(source: str, config: Config) -> ModuleType:
     module._tf_autotune = config.autotune
     _modules[key] = module
     _autotune_modules[module.__name__] = config.autotune
+    while len(_modules) > max(1, config.memory_cache_size):
+        _, old = _modules.popitem(last=False)
+        _autotune_modules.pop(old.__name__, None)
     return module
 
 
