@@ -116,7 +116,6 @@ def _tuning(kernel: Any) -> bool:
 # After the first launch of a specialization we call the compiled binary's launcher directly.
 # Triton's launcher convention has changed between releases, so a fast launcher is only used
 # after it reproduced the slow launch bit for bit once; otherwise that kernel keeps the slow path.
-_fast: dict[tuple, Any] = {}
 
 
 def _spec_key(args: tuple) -> tuple:
@@ -173,14 +172,16 @@ def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int
     if os.environ.get("TRITON_INTERPRET") == "1":
         kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
         return
-    key = (id(kernel), constexprs, warps, _spec_key(args))
-    fast = _fast.get(key)
+    # the table lives on the kernel object, so it dies with it (an id() key could be reused)
+    table = kernel.__dict__.setdefault("_tf_fast", {})
+    key = (constexprs, warps, _spec_key(args))
+    fast = table.get(key)
     if fast:
         fast(grid, args)
         return
     binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
     if fast is None:
-        _fast[key] = _make_fast(binary, args, constexprs, grid)
+        table[key] = _make_fast(binary, args, constexprs, grid)
 
 
 def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
