@@ -10,9 +10,15 @@ shapes (size-1 and odd sizes), dtypes (float32, float64, int32, int64, bool) and
 (contiguous, transposed, step-sliced, offset, expanded).  Every op is run eagerly while the
 program is drawn, so only programs that eager PyTorch accepts are generated.
 
-A program is compared on its outputs and on its inputs after the call (in-place mutations).
-When one fails, hypothesis shrinks it and the minimal program is written as a standalone
-pytest file `tests/fuzz/regressions/test_case_<hash>.py`.
+Index remapping that is not a view (roll, pad, tril/triu, index_select, gather, repeat) is
+drawn too, and half of the programs are compiled with `parallel_threshold=1`, so that every
+loop runs through its OpenMP path although the tensors are small.
+
+A program is compared on its outputs and on its inputs after the call (in-place mutations);
+floats within the tolerance of the least precise float dtype it computes in.  A program that
+Dynamo/AOTAutograd reject without torchfuse too (backend="aot_eager") is discarded.  When one
+fails, hypothesis shrinks it and the minimal program is written as a standalone pytest file
+`tests/fuzz/regressions/test_case_<hash>.py` (inputs, options and the program's source).
 """
 from __future__ import annotations
 
@@ -630,13 +636,9 @@ class FuzzResult:
 # Open bugs outside the op lowerings, with an xfailed repro each (tests/fuzz/regressions,
 # tests/opinfo/test_known_failures.py): (pattern of the error text, the bug).  With
 # `ignore_known` a program failing this way counts as known instead of failing the run, so the
-# fuzzer goes on looking for new bugs.
-KNOWN_BUGS = [
-    (re.escape(ALIASED_OUTPUTS),
-     "lowering.py _lower_outputs: graph outputs that view one unrealized value become views of the "
-     "buffer of whichever is lowered first, which may not hold the others' elements (out-of-bounds "
-     "setStorage errors, negative storage offsets, or silently wrong values)"),
-]
+# fuzzer goes on looking for new bugs.  (The error text includes ALIASED_OUTPUTS when eager's
+# outputs share storage, the mark of the output-aliasing bugs fixed in lowering.py.)
+KNOWN_BUGS: list[tuple[str, str]] = []
 
 
 def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, out_dir: Path | str | None =
