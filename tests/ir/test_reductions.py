@@ -228,3 +228,14 @@ def test_reductions_dynamic_shapes(tf):
         return (x.sum(0), x.sum(), x.amax(1), x.argmax(1), x.var(1), x.mean(0, keepdim=True), torch.softmax(x, 0),
                 torch.logsumexp(x, 1), F.layer_norm(x, (x.shape[-1],)), x.min(1)[1])
     tf.check_dynamic(fn, [(tf.rand((5, 7)),), (tf.rand((9, 3)),), (tf.rand((4, 16)),)], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safe_softmax_masked_rows_are_zero(tf, dtype):
+    """aten._safe_softmax (what SDPA's math path and BERT's attention produce) is decomposed and
+    fused: rows that are -inf everywhere give zeros, not NaN; one kernel."""
+    x = tf.rand((4, 3, 7, 9), dtype)
+    m = torch.zeros(4, 1, 7, 9, dtype=dtype)
+    m[0, :, 2, :] = float("-inf")
+    m[1, :, :, 3] = float("-inf")
+    tf.check(lambda x, m: torch.ops.aten._safe_softmax(x + m, -1), x, m, kernels=1)

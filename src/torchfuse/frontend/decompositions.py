@@ -14,7 +14,7 @@ aten = torch.ops.aten
 
 DECOMPOSE = [
     # softmax family
-    aten._softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
+    aten._softmax, aten._safe_softmax, aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data,
     aten.logsumexp,
     # normalization
     aten.native_layer_norm, aten.native_layer_norm_backward, aten.native_group_norm,

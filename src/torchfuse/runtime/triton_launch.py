@@ -149,11 +149,14 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
     tensors = [a for a in args if hasattr(a, "data_ptr")]
     torch.cuda.synchronize()
     expected = [t.clone() for t in tensors]
+    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
+    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
+    raw_stream, device = torch._C._cuda_getCurrentRawStream, tensors[0].device.index if tensors else 0
     for full in ((*args, *constexprs), args):          # newer Triton: all params; older: runtime ones
-        def fast(grid: tuple, args: tuple, full_len: int = len(full)) -> None:
-            stream = torch.cuda.current_stream().cuda_stream
-            extra = constexprs if full_len != len(args) else ()
-            run(grid[0], grid[1], grid[2], stream, function, meta, None, None, None, *args, *extra)
+        extra = constexprs if len(full) != len(args) else ()
+
+        def fast(grid: tuple, args: tuple, extra: tuple = extra) -> None:
+            run(grid[0], grid[1], grid[2], raw_stream(device), function, meta, None, None, None, *args, *extra)
         try:
             fast(grid, args)
             torch.cuda.synchronize()
@@ -167,13 +170,15 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
     return False
 
 
-def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int) -> None:
-    names = ("XBLOCK", "RBLOCK", "BIG")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
-        return
+def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int,
+            names: tuple[str, ...] = ("XBLOCK", "RBLOCK", "BIG")) -> None:
     # the table lives on the kernel object, so it dies with it (an id() key could be reused)
-    table = kernel.__dict__.setdefault("_tf_fast", {})
+    table = kernel.__dict__.get("_tf_fast")
+    if table is None:
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
+            return
+        table = kernel.__dict__.setdefault("_tf_fast", {})
     key = (constexprs, warps, _spec_key(args))
     fast = table.get(key)
     if fast:

@@ -1,0 +1,49 @@
+"""cProfile of the host side of a compiled model's forward (GPU probe): where do the
+microseconds per launch go?   python benchmarks/probes/host_profile.py [gpt2-bf16|vit] """
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+
+from model_profile import models  # noqa: E402
+
+name = sys.argv[1] if len(sys.argv) > 1 else "gpt2-bf16"
+backends = sys.argv[2].split(",") if len(sys.argv) > 2 else ["torchfuse", "inductor"]
+make_model, make_args = models()[name]
+model, args = make_model(), make_args()
+out = []
+with torch.no_grad():
+    for backend in backends:
+        torch._dynamo.reset()
+        fn = torch.compile(model, backend=backend)
+        for _ in range(3):
+            fn(*args)
+        torch.cuda.synchronize()
+        # host time per call with the GPU never the bottleneck: tiny enqueue-only loop timed on host
+        t = time.perf_counter()
+        for _ in range(20):
+            fn(*args)
+        host = (time.perf_counter() - t) / 20
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            fn(*args)
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        st = pstats.Stats(pr, stream=s)
+        st.sort_stats("tottime").print_stats(35)
+        st.sort_stats("cumulative").print_stats(45)
+        out.append(f"===== {name} {backend}: host loop {host * 1e3:.2f} ms/call\n" + s.getvalue())
+text = "\n".join(out)
+if os.environ.get("OUT"):
+    open(os.path.join(os.environ["OUT"], f"host_profile_{name}.txt"), "w").write(text)
+print(text[-11000:])
