@@ -41,12 +41,15 @@ class Config:
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 
     # --- graph passes ------------------------------------------------------------------------
-    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "dce")
+    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "dce")
     """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
     """Devices on which conv_bn_fold runs.  Without frozen weights the fold is recomputed every
     call (two small kernels per convolution); on a GPU those launches cost more than the batch
     norm they remove, which fuses into the following ReLU anyway."""
+    pad_mm_devices: tuple[str, ...] = ("cuda",)
+    """Devices on which pad_mm pads unaligned matrix products (cuBLAS's fast kernels need
+    16-byte-aligned leading dimensions; CPU BLAS does not)."""
 
     # --- fusion ---------------------------------------------------------------------------------
     fuse: bool = True
@@ -97,7 +100,7 @@ class Config:
         for key in ("cache_dir", "debug_dir"):
             if key in merged:
                 merged[key] = Path(merged[key])
-        for key in ("cxx_flags", "passes", "fallback_ops", "conv_bn_fold_devices"):
+        for key in ("cxx_flags", "passes", "fallback_ops", "conv_bn_fold_devices", "pad_mm_devices"):
             if key in merged:
                 merged[key] = tuple(merged[key])
         return Config(**merged)

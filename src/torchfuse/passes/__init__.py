@@ -22,6 +22,7 @@ from .context import PassContext, PassRecord
 from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
 from .cse import cse as _cse
 from .dce import dce as _dce
+from .pad_mm import pad_mm as _pad_mm
 from .simplify import simplify as _simplify
 
 __all__ = ["REGISTRY", "PassContext", "PassRecord", "run_passes", "DEFAULT_PIPELINE"]
@@ -36,9 +37,10 @@ REGISTRY: dict[str, Pass] = {
     "constant_fold": _constant_fold,
     "simplify": _simplify,
     "conv_bn_fold": _conv_bn_fold,
+    "pad_mm": _pad_mm,
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "dce")
+DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "dce")
 
 
 def run_passes(gm: torch.fx.GraphModule, names: Sequence[str], ctx: PassContext) -> list[PassRecord]:
