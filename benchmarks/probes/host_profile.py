@@ -16,13 +16,14 @@ from model_profile import models  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "gpt2-bf16"
 backends = sys.argv[2].split(",") if len(sys.argv) > 2 else ["torchfuse", "inductor"]
+backends = [{"eager": lambda m: m}.get(b, b) for b in backends]
 make_model, make_args = models()[name]
 model, args = make_model(), make_args()
 out = []
 with torch.no_grad():
     for backend in backends:
         torch._dynamo.reset()
-        fn = torch.compile(model, backend=backend)
+        fn = backend(model) if callable(backend) else torch.compile(model, backend=backend)
         for _ in range(3):
             fn(*args)
         torch.cuda.synchronize()
@@ -32,6 +33,13 @@ with torch.no_grad():
             fn(*args)
         host = (time.perf_counter() - t) / 20
         torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as tp:
+            for _ in range(5):
+                fn(*args)
+            torch.cuda.synchronize()
+        out.append(f"===== {name} {backend}: torch.profiler CPU self time (5 calls)\n"
+                   + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(20):
@@ -42,7 +50,7 @@ with torch.no_grad():
         st = pstats.Stats(pr, stream=s)
         st.sort_stats("tottime").print_stats(35)
         st.sort_stats("cumulative").print_stats(45)
-        out.append(f"===== {name} {backend}: host loop {host * 1e3:.2f} ms/call\n" + s.getvalue())
+        out.append(f"===== {name} {getattr(backend, '__name__', backend)}: host loop {host * 1e3:.2f} ms/call\n" + s.getvalue())
 text = "\n".join(out)
 if os.environ.get("OUT"):
     open(os.path.join(os.environ["OUT"], f"host_profile_{name}.txt"), "w").write(text)
