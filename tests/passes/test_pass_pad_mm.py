@@ -62,3 +62,14 @@ def test_pad_mm_end_to_end_through_torchfuse(tf):
     e = tf.check(lambda a, w, b: (torch.addmm(b, a, w.t()).relu(),), a, w, b, options={"pad_mm_devices": ("cpu",)},
                  allow_fallbacks=("aten.addmm.default",), atol=1e-3, rtol=1e-3)
     assert any("pad_mm" in p and "(1 changes)" in p for p in e.passes), e.passes
+
+
+def test_pad_mm_keeps_a_transposed_weight_transposed():
+    """w.t() is padded as w (contiguous rows, no transposing copy) and handed to mm transposed."""
+    a, w = torch.randn(301, 255), torch.randn(1021, 255)
+    gm = trace(lambda a, w: a @ w.t(), a, w)
+    assert _pad(gm) == 1
+    mm = next(n for n in gm.graph.nodes if n.target is aten.mm.default)
+    b = mm.args[1].meta["val"]
+    assert tuple(b.shape) == (256, 1024) and b.stride() == (1, 256)
+    assert_same(gm(a, w), a @ w.t(), exact=False, atol=1e-3, rtol=1e-3)

@@ -46,9 +46,20 @@ def _hint(x: Any) -> int:
 
 
 def _pad(graph: fx.Graph, node: fx.Node, pads: list[int], meta_from: fx.Node) -> fx.Node:
-    """constant_pad_nd(node, pads) (pads as F.pad: last dim first), or node itself if no padding."""
+    """constant_pad_nd(node, pads) (pads as F.pad: last dim first), or node itself if no padding.
+
+    A matrix stored transposed (a weight used as `w.t()`: unit stride along rows) is padded in
+    its own layout, transposed back afterwards: the copy then reads and writes contiguous rows,
+    ~5x faster than a transposing copy, and cuBLAS takes the transposed operand as it is."""
     if not any(pads):
         return node
+    val = val_of(node)
+    if len(pads) == 4 and val.ndim >= 2 and val.stride(-2) == 1 and val.stride(-1) != 1:
+        swap = list(range(val.ndim - 2)) + [val.ndim - 1, val.ndim - 2]
+        t = create_node(graph, aten.permute.default, (node, swap), meta_from=meta_from)
+        t = create_node(graph, aten.constant_pad_nd.default, (t, [pads[2], pads[3], pads[0], pads[1]], 0.0),
+                        meta_from=meta_from)
+        return create_node(graph, aten.permute.default, (t, swap), meta_from=meta_from)
     return create_node(graph, aten.constant_pad_nd.default, (node, pads, 0.0), meta_from=meta_from)
 
 
@@ -78,7 +89,7 @@ def _rewrite(graph: fx.Graph, mm: fx.Node, ctx: PassContext) -> bool:
                   mm.name, list(va.shape), list(vb.shape), macs)
         return False
     with graph.inserting_before(mm):
-        a2 = _pad(graph, a, [0, pad_k], mm)
+        a2 = _pad(graph, a, [0, pad_k, 0, 0], mm)
         b2 = _pad(graph, b, [0, pad_n, 0, pad_k], mm)
         args: tuple
         if bias is not None:
