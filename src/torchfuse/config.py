@@ -47,9 +47,10 @@ class Config:
     """Devices on which conv_bn_fold runs.  Without frozen weights the fold is recomputed every
     call (two small kernels per convolution); on a GPU those launches cost more than the batch
     norm they remove, which fuses into the following ReLU anyway."""
-    pad_mm_devices: tuple[str, ...] = ("cuda",)
-    """Devices on which pad_mm pads unaligned matrix products (cuBLAS's fast kernels need
-    16-byte-aligned leading dimensions; CPU BLAS does not)."""
+    cublas_devices: tuple[str, ...] = ("cuda",)
+    """Devices whose matrix products run in cuBLAS: pad_mm pads their unaligned sizes (the fast
+    kernels need 16-byte-aligned leading dimensions) and unfuse_addmm moves their bias adds into
+    the consumer kernels.  CPU BLAS needs neither."""
 
     # --- fusion ---------------------------------------------------------------------------------
     fuse: bool = True
@@ -100,7 +101,7 @@ class Config:
         for key in ("cache_dir", "debug_dir"):
             if key in merged:
                 merged[key] = Path(merged[key])
-        for key in ("cxx_flags", "passes", "fallback_ops", "conv_bn_fold_devices", "pad_mm_devices"):
+        for key in ("cxx_flags", "passes", "fallback_ops", "conv_bn_fold_devices", "cublas_devices"):
             if key in merged:
                 merged[key] = tuple(merged[key])
         return Config(**merged)

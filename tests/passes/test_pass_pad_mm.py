@@ -12,7 +12,7 @@ from _passes_helpers import assert_same, count, trace
 from torchfuse.passes import PassContext, run_passes
 
 aten = torch.ops.aten
-CPU = PassContext(pad_mm_devices=("cpu",))
+CPU = PassContext(cublas_devices=("cpu",))
 
 
 def _pad(gm) -> int:
@@ -59,7 +59,7 @@ def test_pad_mm_leaves_aligned_small_and_other_devices_alone():
 def test_pad_mm_end_to_end_through_torchfuse(tf):
     """Through the whole pipeline (the pad is a generated kernel, the product a strided view)."""
     a, w, b = tf.rand((67, 255)), tf.rand((1021, 255)), tf.rand((1021,))
-    e = tf.check(lambda a, w, b: (torch.addmm(b, a, w.t()).relu(),), a, w, b, options={"pad_mm_devices": ("cpu",)},
+    e = tf.check(lambda a, w, b: (torch.addmm(b, a, w.t()).relu(),), a, w, b, options={"cublas_devices": ("cpu",)},
                  allow_fallbacks=("aten.addmm.default",), atol=1e-3, rtol=1e-3)
     assert any("pad_mm" in p and "(1 changes)" in p for p in e.passes), e.passes
 

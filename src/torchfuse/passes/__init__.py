@@ -23,6 +23,7 @@ from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
 from .cse import cse as _cse
 from .dce import dce as _dce
 from .pad_mm import pad_mm as _pad_mm
+from .unfuse_addmm import unfuse_addmm as _unfuse_addmm
 from .simplify import simplify as _simplify
 
 __all__ = ["REGISTRY", "PassContext", "PassRecord", "run_passes", "DEFAULT_PIPELINE"]
@@ -38,9 +39,10 @@ REGISTRY: dict[str, Pass] = {
     "simplify": _simplify,
     "conv_bn_fold": _conv_bn_fold,
     "pad_mm": _pad_mm,
+    "unfuse_addmm": _unfuse_addmm,
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "dce")
+DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm", "dce")
 
 
 def run_passes(gm: torch.fx.GraphModule, names: Sequence[str], ctx: PassContext) -> list[PassRecord]:

@@ -13,9 +13,10 @@ class PassContext:
     that are only exact when parameters and buffers are frozen for the call (conv-bn folding,
     which changes what the backward pass would see) run only then."""
 
-    pad_mm_devices: tuple[str, ...] = ("cuda",)
-    """Device types whose matrix products `pad_mm` pads to 16-byte-aligned sizes (cuBLAS's fast
-    kernels need it; CPU BLAS does not)."""
+    cublas_devices: tuple[str, ...] = ("cuda",)
+    """Device types whose matrix products run in cuBLAS: `pad_mm` pads them to 16-byte-aligned
+    sizes and `unfuse_addmm` moves their bias adds into the consumer kernels (CPU BLAS needs
+    neither)."""
 
 
 @dataclass

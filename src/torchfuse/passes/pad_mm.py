@@ -10,7 +10,7 @@ Copying the weight into a padded buffer costs one pass over it (~0.05 ms), and t
 a strided view of the padded product, so no copy of the (large) output is made.  Zero padding
 along K adds zeros to every dot product, so the values are unchanged.
 
-Applied to mm, addmm and bmm of fp16/bf16/fp32 on the devices in `ctx.pad_mm_devices` (CUDA:
+Applied to mm, addmm and bmm of fp16/bf16/fp32 on the devices in `ctx.cublas_devices` (CUDA:
 CPU BLAS does not care), when the product is large enough for the copy to be worth it and the
 padded sizes are compile-time integers (a symbolic M is fine: only K and N are padded).
 """
@@ -65,7 +65,7 @@ def _pad(graph: fx.Graph, node: fx.Node, pads: list[int], meta_from: fx.Node) ->
 
 def _rewrite(graph: fx.Graph, mm: fx.Node, ctx: PassContext) -> bool:
     out = val_of(mm)
-    if not isinstance(out, torch.Tensor) or out.device.type not in ctx.pad_mm_devices:
+    if not isinstance(out, torch.Tensor) or out.device.type not in ctx.cublas_devices:
         return False
     align = _ALIGN.get(out.dtype)
     if align is None:

@@ -65,7 +65,7 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     debug.write("aten_graph.txt", before)
     device = _graph_device(gm)
     passes = [p for p in config.passes if p != "conv_bn_fold" or device in config.conv_bn_fold_devices]
-    records = run_passes(gm, passes, PassContext(inference=inference, pad_mm_devices=config.pad_mm_devices))
+    records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices))
     after = gm.print_readable(print_output=False)
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
     if report is not None:
