@@ -41,7 +41,7 @@ class Config:
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 
     # --- graph passes ------------------------------------------------------------------------
-    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "dce")
+    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm", "dce")
     """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
     """Devices on which conv_bn_fold runs.  Without frozen weights the fold is recomputed every
