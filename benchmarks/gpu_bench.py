@@ -194,6 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--models", action="store_true")
+    ap.add_argument("--blocks", action="store_true", help="attention by hand, transformer block, GPT-2 train step")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--only", help="comma-separated workload names")
     ap.add_argument("--out")
@@ -209,6 +210,9 @@ def main() -> None:
         shapes = SHAPES[:2] if a.quick else SHAPES
         dtypes = [torch.float32, torch.bfloat16]
         run_kernels(shapes, dtypes, copy_gbs, rows, a.only.split(",") if a.only else None)
+    if a.blocks:
+        from gpu_blocks import run_blocks
+        run_blocks(rows, bench, first_call, _log_error, TF_MODE)
     if a.models:
         run_models(rows)
     head = ["workload", "shape", "dtype", "eager ms", "inductor ms", "torchfuse ms", "inductor %copy",
