@@ -119,34 +119,51 @@ WORKLOADS = {
 }
 SHAPES = [(8192, 8192), (16384, 1000), (4096, 32768), (32768, 768)]
 
+_rn = lambda *s, d: torch.randn(*s, device="cuda", dtype=d)  # noqa: E731
+# Workloads with their own shapes (split reductions and 2-D tiled transposes, issue 3):
+# name: (fn, shapes, make args(shape, dtype), bytes moved per element of the first shape's numel)
+SHAPED = {
+    "full_sum": (lambda x: x.sum(), [(64 << 20,)], lambda s, d: (_rn(*s, d=d),), 1),
+    "full_amax": (lambda x: x.amax(), [(64 << 20,)], lambda s, d: (_rn(*s, d=d),), 1),
+    "row_sum": (lambda x: x.sum(1), [(8, 8 << 20)], lambda s, d: (_rn(*s, d=d),), 1),
+    "col_sum": (lambda x: x.sum(0), [(8 << 20, 8)], lambda s, d: (_rn(*s, d=d),), 1),
+    "transpose_add": (lambda x: x.t().contiguous() + 1, [(8192, 8192), (4099, 8191)],
+                      lambda s, d: (_rn(*s, d=d),), 2),
+    "permute_add": (lambda x, y: x.permute(0, 2, 1) + y, [(64, 1024, 1000)],
+                    lambda s, d: (_rn(*s, d=d), _rn(s[0], s[2], s[1], d=d)), 3),
+}
+
 
 def run_kernels(shapes, dtypes, copy_gbs, rows, only=None):
-    for name, (fn, make, nbytes) in WORKLOADS.items():
+    cases = [(name, fn, make, nbytes, shapes) for name, (fn, make, nbytes) in WORKLOADS.items()]
+    cases += [(name, fn, make, nbytes, sh) for name, (fn, sh, make, nbytes) in SHAPED.items()]
+    for name, fn, make, nbytes, case_shapes in cases:
         if only and name not in only:
             continue
-        for dtype in dtypes:
-            for shape in shapes:
-                args = make(shape, dtype)
-                elt = torch.finfo(dtype).bits // 8
-                moved = nbytes * shape[0] * shape[1] * elt
+        for dtype, shape in ((d, s) for d in dtypes for s in case_shapes):
+            args = make(shape, dtype)
+            elt = torch.finfo(dtype).bits // 8
+            moved = nbytes * elt
+            for n in shape:
+                moved *= n
+            torch._dynamo.reset()
+            results = {}
+            for label, make_fn in (("eager", lambda: fn),
+                                   ("inductor", lambda: torch.compile(fn)),
+                                   ("torchfuse", lambda: torch.compile(fn, backend="torchfuse", mode=TF_MODE))):
+                try:
+                    compiled, ctime = first_call(make_fn(), *args)
+                    results[label] = (bench(compiled, *args), ctime)
+                except Exception as e:  # keep the table going; report the failure
+                    results[label] = (float("nan"), float("nan"))
+                    _log_error(f"{name} {shape} {dtype} {label}", e)
                 torch._dynamo.reset()
-                results = {}
-                for label, make_fn in (("eager", lambda: fn),
-                                       ("inductor", lambda: torch.compile(fn)),
-                                       ("torchfuse", lambda: torch.compile(fn, backend="torchfuse", mode=TF_MODE))):
-                    try:
-                        compiled, ctime = first_call(make_fn(), *args)
-                        results[label] = (bench(compiled, *args), ctime)
-                    except Exception as e:  # keep the table going; report the failure
-                        results[label] = (float("nan"), float("nan"))
-                        _log_error(f"{name} {shape} {dtype} {label}", e)
-                    torch._dynamo.reset()
-                e_ms, i_ms, t_ms = results["eager"][0], results["inductor"][0], results["torchfuse"][0]
-                rows.append([name, "x".join(map(str, shape)), str(dtype).replace("torch.", ""),
-                             f"{e_ms:.3f}", f"{i_ms:.3f}", f"{t_ms:.3f}",
-                             f"{moved / i_ms / 1e6 / copy_gbs * 100:.0f}%", f"{moved / t_ms / 1e6 / copy_gbs * 100:.0f}%",
-                             f"{i_ms / t_ms:.2f}", f"{results['inductor'][1]:.2f}", f"{results['torchfuse'][1]:.2f}"])
-                print(" | ".join(rows[-1]), flush=True)
+            e_ms, i_ms, t_ms = results["eager"][0], results["inductor"][0], results["torchfuse"][0]
+            rows.append([name, "x".join(map(str, shape)), str(dtype).replace("torch.", ""),
+                         f"{e_ms:.3f}", f"{i_ms:.3f}", f"{t_ms:.3f}",
+                         f"{moved / i_ms / 1e6 / copy_gbs * 100:.0f}%", f"{moved / t_ms / 1e6 / copy_gbs * 100:.0f}%",
+                         f"{i_ms / t_ms:.2f}", f"{results['inductor'][1]:.2f}", f"{results['torchfuse'][1]:.2f}"])
+            print(" | ".join(rows[-1]), flush=True)
 
 
 def run_models(rows):

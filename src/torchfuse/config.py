@@ -61,6 +61,14 @@ class Config:
     max_fusion_size: int = 64
     """Upper bound on buffers in one kernel, to keep compile time and register pressure sane."""
 
+    split_reductions: bool = True
+    """Reduce few long rows (x.sum(), [8, 8M].sum(1), column sums of [8M, 8]) in two kernels:
+    partials over chunks of each row, then the partials, so the first kernel fills every SM or
+    thread (see scheduler/split.py)."""
+    split_min_chunk: int = 0
+    """Fewest reduced elements per partial of a split reduction; 0 picks the device's default
+    (tests set it small to split small tensors)."""
+
     # --- backends ---------------------------------------------------------------------------
     cpu_backend: str = "cpp"
     """'cpp' (C++/OpenMP), 'triton' (Triton, under TRITON_INTERPRET=1 on CPU) or 'interpreter'."""

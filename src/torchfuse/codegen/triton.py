@@ -1,6 +1,9 @@
 """Triton code generation: the same fused kernels (LoopPlan) as Triton JIT functions.
 
-Pointwise kernels are flat 1-D blocks over the merged loop nest.  Reduction kernels are 2-D
+Pointwise kernels are flat 1-D blocks over the merged loop nest, or 2-D [YBLOCK, XBLOCK] tiles
+(`<name>_tiled`) when an input is contiguous along another dim than the output (transposes).
+A reduction whose input is contiguous across rows (column sums) is flagged (`rows_contiguous`)
+so the launcher gives its looped variant several rows per tile.  Reduction kernels are 2-D
 tiles [XBLOCK rows, RBLOCK reduced elements] and come in two variants in one module:
   persistent  the whole row is one tile: every stage reads the row from registers, so a softmax
               or layer norm loads its input exactly once;
@@ -10,12 +13,13 @@ shape-generic.  fp16/bf16 are computed in fp32.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
-from ..ir.nodes import INDEX, Node, free_syms, to_text, walk
-from ..scheduler.loops import LoopPlan
+from ..ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
+from ..scheduler.loops import LoopPlan, _stride_of
 from .common import ExprEmitter
 
 TL = {
@@ -95,6 +99,8 @@ class libdevice:
     fmod = _fmod
     pow = _pow
 '''
+log = logging.getLogger("torchfuse.triton")
+
 INTERPRETER_LIBDEVICE = {"tanh", "expm1", "log1p", "trunc", "nearbyint", "fmod", "pow"}
 
 HEADER_COMMON = '''
@@ -319,7 +325,16 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
     params = ", ".join(read + written + syms_list + ["xnumel", "rnumel", "XBLOCK: tl.constexpr",
                                                       "RBLOCK: tl.constexpr", "BIG: tl.constexpr"])
     out: list[str] = []
-    if kernel.kind == "pointwise":
+    tile = tile_dims(plan)
+    if tile is not None:
+        params = ", ".join(read + written + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
+                                                          "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
+        em = TritonEmitter(dtypes)
+        _emit_tile_indices(em, plan, *tile)
+        em.mask = "xmask"
+        _emit_values(em, plan, plan.members, "xmask")
+        out.append(f"@triton.jit\ndef {kernel.name}_tiled({params}):\n" + "\n".join(em.lines))
+    elif kernel.kind == "pointwise":
         em = TritonEmitter(dtypes)
         em.line("pid = tl.program_id(0)")
         em.line("if BIG:   # 64-bit offsets only when some offset can pass 2**31")
@@ -346,6 +361,83 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
             suffix = "_persistent" if persistent else "_looped"
             out.append(f"@triton.jit\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
     return "\n\n\n".join(out), read + written, syms_list
+
+
+# Dims shorter than this are not worth a 2-D tile (most of a 16-wide tile would be masked off).
+MIN_TILE_DIM = 16
+
+
+def _unit_dim(index: Node, ndim: int) -> int | None:
+    """The loop dim along which `index` moves by exactly one element, if any."""
+    return next((k for k in range(ndim) if _stride_of(index, f"x{k}") == 1), None)
+
+
+def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
+    """(y dim, x dim) for a 2-D tiled pointwise kernel, or None for the flat 1-D kernel.
+
+    A flat block walks the output's contiguous dim, so an input that is contiguous along another
+    dim (a transpose, x.permute(0, 2, 1) + y) is read with a large stride: every lane touches its
+    own 32-byte sector.  A [YBLOCK, XBLOCK] tile over the output's contiguous dim (x) and the
+    input's (y) lets Triton load along y and store along x, both coalesced (it converts the
+    register layout through shared memory in between)."""
+    n = len(plan.outer)
+    if plan.kernel.kind != "pointwise" or n < 2:
+        return None
+    stored = [m for m in plan.members if m.buffer.name in plan.stored]
+    xd = _unit_dim(stored[0].store, n) if stored else None
+    if xd is None:
+        return None
+    produced = {m.buffer.name for m in plan.members}
+    for m in plan.members:
+        for ld in loads(m.body):
+            if ld.arg in produced or _stride_of(ld.args[0], f"x{xd}") == 0:
+                continue            # a fused intermediate, or broadcast along x: no conflict
+            yd = _unit_dim(ld.args[0], n)
+            if yd is None or yd == xd:
+                continue
+            small = [d for d in (xd, yd) if plan.outer[d].op == "const" and plan.outer[d].arg < MIN_TILE_DIM]
+            if small:
+                log.debug("%s: no 2-D tile, dim %d has only %s elements", plan.kernel.name, small[0],
+                          plan.outer[small[0]].arg)
+                return None
+            return yd, xd
+    return None
+
+
+def rows_contiguous(plan: LoopPlan) -> bool:
+    """True for a reduction whose input is contiguous across rows, not along them (column sums:
+    x.sum(0), the partial kernel of a split column sum): a [XBLOCK, RBLOCK] tile with several
+    rows then reads whole sectors, where one row per program reads one element per sector."""
+    if plan.kernel.kind != "reduction" or not plan.outer or not plan.inner:
+        return False
+    last_x, last_y = f"x{len(plan.outer) - 1}", f"y{len(plan.inner) - 1}"
+    for m in plan.members:
+        if m.role == "reduce":
+            for ld in loads(m.body):
+                if _stride_of(ld.args[0], last_y) not in (0, 1) and _stride_of(ld.args[0], last_x) == 1:
+                    return True
+    return False
+
+
+def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> None:
+    """Program id -> (tile along x, tile along y, the other dims), x tiles fastest."""
+    em.line("pid = tl.program_id(0)")
+    em.line("if BIG:")
+    em.line("    pid = pid.to(tl.int64)")
+    em.line("xtiles = (xnumel + XBLOCK - 1) // XBLOCK")
+    em.line("ytiles = (ynumel + YBLOCK - 1) // YBLOCK")
+    em.line(f"x{xd} = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]")
+    em.line(f"x{yd} = ((pid // xtiles) % ytiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]")
+    em.line(f"xmask = (x{xd} < xnumel) & (x{yd} < ynumel)")
+    em.line("xzero = tl.zeros([YBLOCK, XBLOCK], tl.int32)   # gives scalar addresses the tile's shape")
+    rest = [k for k in range(len(plan.outer)) if k not in (xd, yd)]
+    if rest:
+        em.line("zindex = pid // (xtiles * ytiles)")
+        stride = None
+        for k in reversed(rest):
+            base = "zindex" if stride is None else f"(zindex // ({stride}))"
+            em.line(f"x{k} = {base}" + (f" % ({em.index(plan.outer[k])})" if k != rest[0] else ""))
+            stride = em.index(plan.outer[k]) if stride is None else f"{stride} * {em.index(plan.outer[k])}"
 
 
 def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:

@@ -24,6 +24,7 @@ from ..ir.lowering import lower_graph
 from ..passes import PassContext, run_passes
 from ..scheduler.fusion import buffer_readers, schedule
 from ..scheduler.loops import plan_loops
+from ..scheduler.split import SplitParams, split_reductions
 
 log = logging.getLogger("torchfuse")
 _graph_ids = itertools.count()
@@ -79,6 +80,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
         return _eager(gm)
     debug.write("loop_ir.txt", str(program))
     sched = schedule(program, config)
+    if config.split_reductions:
+        sched = split_reductions(sched, program, buffer_readers(sched, program), _split_params(program, config))
     debug.write("fusion.txt", str(sched))
     counters.bump("fallback_ops", len(fallbacks))
     for node, op, reason in fallbacks:
@@ -105,12 +108,18 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
                 src, bufs, syms = tgen.kernel_source(plan, dtypes)
                 xnumel = py_index(_product(plan.outer))
                 big = _needs_64bit_expr(program, bufs, plan)
-                if kernel.kind == "pointwise":
+                tile = tgen.tile_dims(plan)
+                if tile is not None:
+                    ny, nx = (py_index(plan.outer[d]) for d in tile)
+                    kernel_calls[kernel.name] = (f"_launch_tiled({kernel.name}_tiled, {nx}, {ny}, {xnumel}, {big}, "
+                                                 f"{', '.join(bufs + syms)})")
+                elif kernel.kind == "pointwise":
                     kernel_calls[kernel.name] = f"_launch_pointwise({kernel.name}, {xnumel}, {big}, {', '.join(bufs + syms)})"
                 else:
                     rnumel = py_index(_product(plan.inner))
+                    xfast = ", xfast=True" if tgen.rows_contiguous(plan) else ""
                     kernel_calls[kernel.name] = (f"_launch_reduction({kernel.name}_persistent, {kernel.name}_looped, "
-                                                 f"{xnumel}, {rnumel}, {big}, {', '.join(bufs + syms)})")
+                                                 f"{xnumel}, {rnumel}, {big}, {', '.join(bufs + syms)}{xfast})")
             else:
                 from ..codegen import cpp
                 src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
@@ -141,7 +150,7 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     try:
         kernels = _build(backend, sources, {k: v for k, v in kernel_args.items() if k not in aliases}, config, debug)
         for dup, first in aliases.items():
-            for suffix in ("", "_persistent", "_looped"):
+            for suffix in ("", "_persistent", "_looped", "_tiled"):
                 if first + suffix in kernels:
                     kernels[dup + suffix] = kernels[first + suffix]
     except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
@@ -161,6 +170,13 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
+
+
+def _split_params(program, config: Config) -> SplitParams:
+    device = program_device(program)
+    if device == "cuda" and not torch.cuda.is_available():
+        device = "cpu"
+    return SplitParams.for_device(device, config.num_threads or torch.get_num_threads(), config.split_min_chunk)
 
 
 def _needs_64bit_expr(program, bufs: list[str], plan) -> str:
@@ -184,8 +200,9 @@ def _needs_64bit_expr(program, bufs: list[str], plan) -> str:
 def _canonical(src: str, name: str, bufs: list[str]) -> str:
     import re
     mapping = {b: f"arg{i}" for i, b in enumerate(bufs)}
-    src = re.sub(r"\b(?:in|buf|const)\d+\b", lambda m: mapping.get(m.group(0), m.group(0)), src)
-    return re.sub(rf"\b{name}\b", "KERNEL", src)
+    src = re.sub(r"\b(?:in|buf|const)\d+(?:_part)?\b", lambda m: mapping.get(m.group(0), m.group(0)), src)
+    # Triton reduction and tiled kernels are named <kernel>_persistent / _looped / _tiled
+    return re.sub(rf"\b{re.escape(name)}(?=_persistent\b|_looped\b|_tiled\b|\b)", "KERNEL", src)
 
 
 def _mutated_inputs(program) -> set[int]:
@@ -233,17 +250,19 @@ def _build(backend: str, sources: list[str], kernel_args: dict, config: Config, 
         return kernels
     if backend == "triton":
         from ..codegen.triton import module_source
-        from .triton_launch import ensure_interpreter_if_cpu, launch_pointwise, launch_reduction, load_module
+        from .triton_launch import (ensure_interpreter_if_cpu, launch_pointwise, launch_reduction, launch_tiled,
+                                    load_module)
         ensure_interpreter_if_cpu("cpu" if config.cpu_backend == "triton" else "cuda")
         module_src = module_source(sources, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
         debug.write("kernels_triton.py", module_src)
         module = load_module(module_src, config)
         for name in kernel_args:
-            for variant in (name, f"{name}_persistent", f"{name}_looped"):
+            for variant in (name, f"{name}_persistent", f"{name}_looped", f"{name}_tiled"):
                 if hasattr(module, variant):
                     kernels[variant] = getattr(module, variant)
         kernels["_launch_pointwise"] = launch_pointwise
         kernels["_launch_reduction"] = launch_reduction
+        kernels["_launch_tiled"] = launch_tiled
         return kernels
     from ..codegen import cpp
     from .cpp_build import load_library

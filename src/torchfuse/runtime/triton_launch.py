@@ -24,6 +24,9 @@ from ..counters import counters
 PERSISTENT_LIMIT = 32768
 LOOPED_RBLOCK = 2048
 POINTWISE_XBLOCK = 1024
+TILE_BLOCK = 64
+COLUMN_XBLOCK = 32     # rows per tile of a looped reduction over column-contiguous data
+TILE_ELEMENTS = 4096
 
 _modules: "OrderedDict[str, ModuleType]" = OrderedDict()   # LRU, bounded by config.memory_cache_size
 _autotune_modules: dict[str, bool] = {}
@@ -81,8 +84,8 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _autotune(kernel: Any, key: str, candidates: list[tuple[int, int]], launch) -> tuple[int, int]:
-    """Time each (block, warps) candidate once per key; remember the fastest."""
+def _autotune(kernel: Any, key: str, candidates: list[tuple[int, ...]], launch) -> tuple[int, ...]:
+    """Time each candidate (block sizes..., warps) once per key; remember the fastest."""
     if key in _tuned:
         return _tuned[key]
     from triton.testing import do_bench
@@ -204,8 +207,62 @@ def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
     go(xblock, warps)
 
 
-def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, *args: Any) -> None:
+def tile_blocks(xnumel: int, ynumel: int) -> tuple[int, int, int]:
+    """(XBLOCK, YBLOCK, warps) of a 2-D tiled pointwise kernel: 64x64 tiles (4096 elements, the
+    usual transpose tile: 16 KB of fp32 staged through shared memory), stretched along the other
+    dim when one dim is short so a program still moves ~4096 elements."""
+    yblock = min(TILE_BLOCK, _next_pow2(ynumel))
+    xblock = min(_next_pow2(xnumel), max(TILE_BLOCK, TILE_ELEMENTS // yblock))
+    yblock = min(_next_pow2(ynumel), max(yblock, TILE_ELEMENTS // xblock))
+    return xblock, yblock, 4 if xblock * yblock >= 2048 else 2
+
+
+def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any) -> None:
+    """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims."""
+    if numel == 0:
+        return
+    others = numel // (xnumel * ynumel)
+
+    def go(xblock: int, yblock: int, warps: int) -> None:
+        tiles = -(-xnumel // xblock) * -(-ynumel // yblock) * others
+        _launch(kernel, (tiles, 1, 1), (*args, xnumel, ynumel), (xblock, yblock, big), warps,
+                ("XBLOCK", "YBLOCK", "BIG"))
+
+    xblock, yblock, warps = tile_blocks(xnumel, ynumel)
+    if _tuning(kernel) and numel >= 4096:
+        key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}:{_next_pow2(ynumel)}"
+        cands = [(x, y, w) for x, y in ((32, 32), (64, 64), (128, 32), (32, 128), (64, 32), (32, 64))
+                 for w in (4, 8)]
+        xblock, yblock, warps = _autotune(kernel, key, cands, go)
+    go(xblock, yblock, warps)
+
+
+_sms: list[int] = []
+
+
+def _sm_count() -> int:
+    """The GPU's SM count (132 on an H100; 128 without a GPU, under the interpreter)."""
+    if not _sms:
+        import torch
+        ok = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+        _sms.append(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                    if ok else 128)
+    return _sms[0]
+
+
+def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, *args: Any,
+                     xfast: bool = False) -> None:
+    """`xfast`: the input is contiguous across rows (column sums), so long rows are walked by the
+    looped kernel with several rows per tile (XBLOCK x RBLOCK = 2048) instead of one row."""
     if xnumel == 0:
+        return
+    # as many rows per tile as keeps at least one program per SM (a split column sum: all the
+    # rows of one chunk), at most COLUMN_XBLOCK; with one row per tile the usual choice stands
+    per_sm = xnumel // _sm_count() if xfast and rnumel > LOOPED_RBLOCK else 0
+    if per_sm >= 2:
+        xblock = min(COLUMN_XBLOCK, 1 << (per_sm.bit_length() - 1))
+        _launch(looped, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, rnumel),
+                (xblock, LOOPED_RBLOCK // xblock, big), 8)
         return
     if rnumel <= PERSISTENT_LIMIT:
         rblock = _next_pow2(max(rnumel, 1))

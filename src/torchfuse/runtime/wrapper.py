@@ -47,7 +47,8 @@ class WrapperBuilder:
         self.kernel_args = kernel_args
         self.kernel_calls = kernel_calls or {}
         self.stored = stored
-        self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten}
+        from ..scheduler.split import split_factor
+        self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten, "_split_factor": split_factor}
         self.lines: list[str] = []
 
     def const(self, value: Any) -> str:
@@ -109,6 +110,8 @@ class WrapperBuilder:
         for pos, item in enumerate(self.items):
             if isinstance(item, Kernel):
                 bufs, syms = self.kernel_args[item.name]
+                for sym_name, expr in item.bindings:     # e.g. a split factor from run-time sizes
+                    L.append(f"    {sym_name} = {expr}")
                 for m in item.members:
                     if m.buffer.name in self.stored:
                         self._alloc(m.buffer.name)

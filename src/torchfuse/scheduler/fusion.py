@@ -38,6 +38,9 @@ class Kernel:
     outer: tuple[Node, ...]
     inner: tuple[Node, ...]
     members: list[Member] = field(default_factory=list)
+    # (symbol, Python expression) the wrapper evaluates before this kernel (a split factor that
+    # depends on run-time sizes)
+    bindings: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def kind(self) -> str:

@@ -1,0 +1,281 @@
+"""Split (two-stage) reductions: few long rows reduced by enough programs to fill the machine.
+
+A reduction kernel runs one program (Triton) or one OpenMP iteration (C++) per row, so x.sum(),
+a [8, 8M] row sum or the column sums of an [8M, 8] tensor use 1-8 SMs/threads.  This pass
+rewrites such a kernel, after fusion and before loop planning, into
+
+  K1 `<k>_part`  outer [S, rows], inner [C]:  part[s, row] = red_{c < C} body(row, r = s*C + c)
+                 (r < R is a mask unless S divides R); per-element prologue members stay here
+  K2 `<k>`       outer [rows], inner [S]:     out[row] = red_{s < S} part[s, row], then the
+                 per-row epilogue members (mean's division, ...)
+  K3 `<k>_post`  a pointwise kernel over [rows + reduced dims] for the per-element members that
+                 read the result (x - x.sum()); in the row loop they ran on one program too.
+
+Partials are stored in the accumulator dtype (fp32 for fp16/bf16, int64 for integer sums), and
+max/min combine with the same NaN-propagating operator, so results match eager.  Supported:
+sum, prod, max, min, any, all (mean/norm are sums with an epilogue).  Not split (logged):
+argmax/argmin (the partial would need the index as well), chains where one reduction reads
+another (variance, softmax), and symbolic row counts.
+
+S is a compile-time constant for static sizes (a divisor of R when one is close, so the body
+needs no mask), or, when R is symbolic, a symbol the wrapper computes from the run-time sizes
+(`Kernel.bindings`): no guard is added, and S is 1 when R turns out to be short.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..ir.buffers import ComputedBuffer, Layout, LoweredGraph, contiguous_strides
+from ..ir.nodes import (Node, const, floordiv, load, loads, map_nodes, mod, op, substitute, sym, var, walk,
+                        where)
+from .fusion import Kernel, Member, Schedule
+from .loops import _stride_of
+
+log = logging.getLogger("torchfuse.split")
+
+SPLIT_OPS = ("sum", "prod", "max", "min", "any", "all")
+MAX_SPLIT = 1024        # partials per row: the second kernel then reduces a short row in registers
+
+
+@dataclass(frozen=True)
+class SplitParams:
+    target: int          # programs / loop iterations wanted in K1 (about 2x SMs, 4x threads)
+    min_chunk: int       # fewest reduced elements per partial
+    min_numel: int       # rows * R below this is not worth a second kernel
+
+    @staticmethod
+    def for_device(device: str, num_threads: int, min_chunk: int = 0) -> "SplitParams":
+        """Defaults per device; `min_chunk` (Config.split_min_chunk) overrides the chunk size
+        (tests use it to split small tensors)."""
+        if device == "cuda":
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            # a launch costs a few microseconds: below ~256K elements one program is as fast
+            target, chunk, numel = 2 * sms, 4096, 1 << 18
+        else:
+            # 4 chunks per thread balance the load; OpenMP start-up wants >= ~64K elements each
+            target, chunk, numel = 4 * max(1, num_threads), 1 << 16, 1 << 20
+        if min_chunk:
+            chunk, numel = min_chunk, 2 * min_chunk
+        return SplitParams(target, chunk, numel)
+
+
+def split_factor(rows: int, length: int, target: int, min_chunk: int) -> int:
+    """Partials per row: enough that rows * S reaches `target`, each at least `min_chunk` long.
+    Also evaluated by the generated wrapper at run time when the reduced length is symbolic."""
+    return max(1, min(MAX_SPLIT, -(-target // max(rows, 1)), length // max(min_chunk, 1)))
+
+
+def _product(sizes: tuple[Node, ...]) -> Node:
+    out = const(1)
+    for s in sizes:
+        out = out * s
+    return out
+
+
+def _identity(red_op: str, dtype: torch.dtype) -> Node:
+    """The neutral element, which masked-off positions of the last chunk contribute."""
+    if red_op in ("any", "all"):
+        return const(red_op == "all", dtype)
+    if red_op in ("sum", "prod"):
+        return const(0 if red_op == "sum" else 1, dtype)
+    if dtype == torch.bool:
+        return const(red_op == "min", dtype)
+    if dtype.is_floating_point:
+        return const(float("-inf") if red_op == "max" else float("inf"), dtype)
+    info = torch.iinfo(dtype)
+    return const(info.min if red_op == "max" else info.max, dtype)
+
+
+def _reads(m: Member, names: set[str]) -> set[str]:
+    return {ld.arg for ld in loads(m.body)} & names
+
+
+def _classify(kernel: Kernel) -> tuple[list[Member], list[Member], list[Member], list[Member]] | str:
+    """(pre, reduce, outer, post) members, or why the kernel cannot be split."""
+    everything = {m.buffer.name for m in kernel.members}
+    red = [m for m in kernel.members if m.role == "reduce"]
+    outer = [m for m in kernel.members if m.role == "outer"]
+    pre: list[Member] = []        # per-element members that read no per-row result
+    post: list[Member] = []       # per-element members that do (x - x.sum())
+    pre_names: set[str] = set()
+    for m in kernel.members:
+        if m.role == "inner":
+            independent = not (_reads(m, everything) - pre_names)
+            (pre if independent else post).append(m)
+            if independent:
+                pre_names.add(m.buffer.name)
+    for m in red:
+        if m.buffer.reduction_op not in SPLIT_OPS:
+            return f"{m.buffer.reduction_op} needs the index of each partial (not split)"
+        bad = _reads(m, everything) - pre_names
+        if bad:
+            return f"{m.buffer.name} reads {sorted(bad)} of the same kernel (a reduction chain needs all rows first)"
+    return pre, red, outer, post
+
+
+def _inner_order(kernel: Kernel, red: list[Member]) -> list[int]:
+    """Reduced dims from slowest to fastest in memory (by the first load that walks them), so the
+    flat reduced index is contiguous for x.t().sum() too."""
+    n = len(kernel.inner)
+    for m in red:
+        for ld in loads(m.body):
+            strides = [_stride_of(ld.args[0], f"y{j}") for j in range(n)]
+            if any(strides):
+                return sorted(range(n), key=lambda j: -strides[j])
+    return list(range(n))
+
+
+def _column_like(kernel: Kernel, red: list[Member]) -> bool:
+    """The first load that walks the reduced dims is contiguous along the rows instead."""
+    last_x, last_y = f"x{len(kernel.outer) - 1}", f"y{len(kernel.inner) - 1}"
+    for m in red:
+        for ld in loads(m.body):
+            ystride = _stride_of(ld.args[0], last_y)
+            if ystride:
+                return bool(kernel.outer) and ystride != 1 and _stride_of(ld.args[0], last_x) == 1
+    return False
+
+
+class _Splitter:
+    def __init__(self, program: LoweredGraph, readers: dict[str, set[str]], params: SplitParams):
+        self.program, self.readers, self.params = program, readers, params
+
+    def why_not(self, kernel: Kernel) -> str:
+        """Empty when `kernel` should be split, else the reason (for the log)."""
+        if kernel.kind != "reduction":
+            return "not a reduction"
+        rows, length = _product(kernel.outer), _product(kernel.inner)
+        if rows.op != "const":
+            return f"symbolic row count {rows} (could be large; rows already fill the machine then)"
+        if rows.arg == 0 or rows.arg * 2 > self.params.target:
+            return f"{rows.arg} rows already fill the {self.params.target} programs"
+        if length.op == "const":
+            if rows.arg * length.arg < self.params.min_numel:
+                return f"{rows.arg}x{length.arg} elements are too few to pay for a second kernel"
+            if split_factor(rows.arg, length.arg, self.params.target, self.params.min_chunk) < 2:
+                return f"rows of {length.arg} are shorter than two chunks of {self.params.min_chunk}"
+        return ""
+
+    def split(self, kernel: Kernel) -> list[Kernel] | str:
+        classes = _classify(kernel)
+        if isinstance(classes, str):
+            return classes
+        pre, red, outer, post = classes
+        p = self.params
+        rows, length = _product(kernel.outer), _product(kernel.inner)
+        bindings: list[tuple[str, str]] = []
+        # Column-like data (contiguous across rows, e.g. [8M, 8].sum(0)): a program should read
+        # all rows of its chunk (the Triton launcher tiles several rows), so S alone fills the
+        # machine
+        per_row = 1 if _column_like(kernel, red) else rows.arg
+        if length.op == "const":
+            s = split_factor(per_row, length.arg, p.target, p.min_chunk)
+            # a divisor of R near s avoids the bounds mask (and keeps C++ inner loops vectorized)
+            divisor = next((d for d in range(s, (s + 1) // 2 - 1, -1) if length.arg % d == 0), None)
+            s = divisor or s
+            split, chunk, masked = const(s), const(-(-length.arg // s)), divisor is None
+        else:
+            from ..runtime.wrapper import py_index
+            split, chunk, masked = sym(f"{kernel.name}_split"), sym(f"{kernel.name}_chunk"), True
+            r = py_index(length)
+            bindings = [(split.arg, f"_split_factor({per_row}, {r}, {p.target}, {p.min_chunk})"),
+                        (chunk.arg, f"-(-({r}) // {split.arg})")]
+        if masked:
+            # K1's last chunk runs past R, and stores are not masked: a per-element member that
+            # must be stored moves to K3 (it reads no per-row value), unless a reduction uses it
+            stored = [m for m in pre if self._stored(kernel, m, post)]
+            pre = [m for m in pre if m not in stored]
+            # (a member a reduction reads is stored too: plan_loops keeps values across loops in memory)
+            k1_reads = {ld.arg for m in red + pre for ld in loads(m.body)}
+            if any(m.buffer.name in k1_reads for m in stored) or any(m.buffer.name in k1_reads for m in pre):
+                return "a stored per-element prologue would need a masked store (R not divisible)"
+            post = stored + post
+        n = len(kernel.outer)
+        ranges = {"x0": split, "y0": chunk, **{f"x{j + 1}": s for j, s in enumerate(kernel.outer)}}
+        flat = var("x0") * chunk + var("y0")
+        mapping: dict[Node, Node] = {var(f"x{j}"): var(f"x{j + 1}") for j in range(n)}
+        order, rest = _inner_order(kernel, red), flat
+        for pos, j in enumerate(reversed(order)):
+            last = pos == len(order) - 1
+            mapping[var(f"y{j}")] = rest if last else mod(rest, kernel.inner[j], ranges)
+            rest = rest if last else floordiv(rest, kernel.inner[j], ranges)
+        cond = op("lt", flat, length, dtype=torch.bool) if masked else None
+
+        def rewrite(body: Node) -> Node:
+            body = substitute(body, mapping, ranges)
+            return _mask_loads(body, cond) if cond is not None else body
+
+        part_sizes = (split,) + kernel.outer
+        part_strides = contiguous_strides(part_sizes)
+        part_store = Layout(part_sizes, part_strides).index([var(f"x{j}") for j in range(n + 1)])
+        row_strides = contiguous_strides(kernel.outer)
+        row_index = Layout(kernel.outer, row_strides).index([var(f"x{j}") for j in range(n)])
+        k1 = Kernel(f"{kernel.name}_part", part_sizes, (chunk,), bindings=bindings)
+        k2 = Kernel(kernel.name, kernel.outer, (split,))
+        for m in pre:
+            k1.members.append(Member(m.buffer, "inner", rewrite(m.body), substitute(m.store, mapping, ranges)))
+        for m in red:
+            red_op, acc = m.buffer.reduction_op, m.body.dtype
+            body = rewrite(m.body)
+            if cond is not None:
+                body = where(cond, body, _identity(red_op, acc))
+            name = f"{m.buffer.name}_part"
+            device = self.program.buffer_meta[m.buffer.name][3]
+            part = ComputedBuffer(name, acc, Layout(part_sizes, part_strides), part_sizes, body, red_op,
+                                  (chunk,), list(m.buffer.origins))
+            self.program.buffer_meta[name] = (part_sizes, part_strides, acc, device)
+            k1.members.append(Member(part, "reduce", body, part_store))
+            combine = load(name, var("y0") * _product(kernel.outer) + row_index, acc)
+            k2.members.append(Member(m.buffer, "reduce", combine, m.store))
+        k2.members += outer
+        out = [k1, k2]
+        if post:
+            k3 = Kernel(f"{kernel.name}_post", kernel.outer + kernel.inner, ())
+            to_x = {var(f"y{j}"): var(f"x{n + j}") for j in range(len(kernel.inner))}
+            for m in post:
+                k3.members.append(Member(m.buffer, "pointwise", substitute(m.body, to_x), substitute(m.store, to_x)))
+            out.append(k3)
+        log.debug("split %s: %s partials of %s per row over %s rows (%s)", kernel.name, split, chunk, rows,
+                  "masked" if masked else "exact")
+        return out
+
+    def _stored(self, kernel: Kernel, m: Member, post: list[Member]) -> bool:
+        post_reads = {ld.arg for p in post for ld in loads(p.body)}
+        return bool(m.buffer.is_output or (self.readers.get(m.buffer.name, set()) - {kernel.name})
+                    or m.buffer.name in post_reads)
+
+
+def _mask_loads(body: Node, cond: Node) -> Node:
+    """Guard every load whose address walks the reduced index: the last chunk may pass R."""
+    def fn(n: Node, args: tuple[Node, ...]) -> Node:
+        if n.op == "load" and any(x.op == "var" and x.arg in ("x0", "y0") for x in walk(args[0])):
+            mask = cond if len(args) == 1 else op("and", args[1], cond, dtype=torch.bool)
+            return Node("load", (args[0], mask), n.arg, n.dtype)
+        return n if args == n.args else Node(n.op, args, n.arg, n.dtype)
+    return map_nodes(body, fn)
+
+
+def split_reductions(sched: Schedule, program: LoweredGraph, readers: dict[str, set[str]],
+                     params: SplitParams) -> Schedule:
+    """Replace each reduction kernel with few long rows by its split form (see module doc)."""
+    splitter = _Splitter(program, readers, params)
+    items: list = []
+    refused = list(sched.refused)
+    for item in sched.items:
+        if not isinstance(item, Kernel) or item.kind != "reduction":
+            items.append(item)
+            continue
+        reason = splitter.why_not(item)
+        result = splitter.split(item) if not reason else reason
+        if isinstance(result, str):
+            log.debug("not splitting %s (%s): %s", item.name, ", ".join(item.origins), result)
+            if not reason:      # few long rows, but this kernel cannot split: worth reporting
+                refused.append(f"{item.name} ({', '.join(item.origins)}) not split: {result}")
+            items.append(item)
+        else:
+            items += result
+    return Schedule(items, refused)
+

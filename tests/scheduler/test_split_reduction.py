@@ -1,0 +1,198 @@
+"""Split (two-stage) reductions (src/torchfuse/scheduler/split.py): a reduction with few long rows
+becomes a partial kernel over [S, rows] x [chunk] and a final kernel over the S partials.
+
+Every case runs through the C++ backend and through the Triton code generator under Triton's
+interpreter, compares with eager and counts kernels.  `split_min_chunk` makes small tensors split
+(the defaults only split from ~256K elements on a GPU, ~1M on a CPU); `num_threads=2` fixes the
+target number of partials (4 per thread) whatever the machine."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import torchfuse
+from torchfuse import counters
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+CPP = {"split_min_chunk": 64, "num_threads": 2}
+TRITON = {**CPP, "cpu_backend": "triton"}
+BACKENDS = {"cpp": CPP, "triton": TRITON}
+
+
+def _nan(x: torch.Tensor, frac: float = 0.01) -> torch.Tensor:
+    return torch.where(torch.rand(x.shape) < frac, torch.full_like(x, float("nan")), x)
+
+
+def _check(tf, backend, fn, *args, kernels, **kw):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    e = tf.check(fn, *args, options=BACKENDS[backend], kernels=kernels, **kw)
+    return e
+
+
+# ----------------------------------------------------------------------------------------------
+# what splits, into how many kernels
+# ----------------------------------------------------------------------------------------------
+
+FULL = {   # name: (fn, kernels)
+    "sum": (lambda x: x.sum(), 2),
+    "mean": (lambda x: x.mean(), 2),             # the division is the final kernel's epilogue
+    "amax": (lambda x: x.amax(), 2),
+    "amin": (lambda x: x.amin(), 2),
+    "prod": (lambda x: (x.abs() * 0.01 + 1).prod(), 2),
+    "norm": (lambda x: torch.linalg.vector_norm(x), 2),
+    "prologue_dot": (lambda x: (x * x.sin()).sum(), 2),
+    "epilogue": (lambda x: x.sum() * 2 + 1, 2),
+    "two_reductions": (lambda x: (x.sum(), x.amax()), 2),   # one pass: two partial buffers
+    "minus_sum": (lambda x: x - x.mean(), 3),    # the per-element use becomes its own kernel
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("name", sorted(FULL))
+@pytest.mark.parametrize("shape", [(1000,), (997,), (37, 41)])    # divisible, prime (masked), 2-d
+def test_full_reduction_splits(tf, backend, name, shape):
+    fn, kernels = FULL[name]
+    e = _check(tf, backend, fn, tf.rand(shape), kernels=kernels)
+    names = [k.name for k in e.kernels]
+    assert names[0].endswith("_part"), names
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_partials_accumulate_in_fp32(tf, backend, dtype):
+    x = tf.rand((2000,), dtype)
+    _check(tf, backend, lambda x: (x.sum(), x.mean(), x.amax()), x, kernels=2)
+    # 2000 values near 1: a bf16/fp16 running sum would be far off; fp32 partials are not
+    y = (torch.rand(2000) * 0.01 + 1).to(dtype)
+    _check(tf, backend, lambda y: y.sum(), y, kernels=2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int8])
+def test_int_sum_is_int64(tf, backend, dtype):
+    x = tf.rand((1001,), dtype, low=-100, high=100)
+    e = _check(tf, backend, lambda x: (x.sum(), x.amax(), x.amin()), x, kernels=2)
+    assert e.output[0].dtype == torch.int64
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_bool_any_all(tf, backend):
+    x = torch.zeros(1000, dtype=torch.bool)
+    x[777] = True
+    _check(tf, backend, lambda x: (x.any(), x.all(), (~x).all()), x, kernels=2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("shape", [(1000,), (997,)])
+def test_nan_propagates(tf, backend, shape):
+    x = _nan(tf.rand(shape))
+    _check(tf, backend, lambda x: (x.sum(), x.amax(), x.amin()), x, kernels=2)
+    one = tf.rand(shape)
+    one[shape[0] - 1] = float("nan")            # in the last (masked) chunk only
+    _check(tf, backend, lambda x: (x.amax(), x.amin()), one, kernels=2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_few_long_rows(tf, backend):
+    x = tf.rand((3, 4001))
+    _check(tf, backend, lambda x: x.sum(1), x, kernels=2)
+    _check(tf, backend, lambda x: x.amax(-1, keepdim=True) * 2, x, kernels=2)
+    _check(tf, backend, lambda x: x.t().sum(0), x, kernels=2)     # non-contiguous rows
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_column_sums(tf, backend):
+    x = tf.rand((4001, 3))
+    _check(tf, backend, lambda x: x.sum(0), x, kernels=2)
+    _check(tf, backend, lambda x: x.mean(0, keepdim=True), x, kernels=2)
+    _check(tf, backend, lambda x: x[:, ::2].sum(0), tf.rand((3000, 6)), kernels=2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_reduced_dims_in_memory_order(tf, backend):
+    # sum over both dims of a transposed tensor: the flat reduced index follows memory order
+    e = _check(tf, backend, lambda x: x.t().sum(), tf.rand((50, 40)), kernels=2)
+    assert "%" not in e.kernels[0].source, e.kernels[0].source
+    _check(tf, backend, lambda x: x.permute(2, 0, 1).sum((1, 2)), tf.rand((30, 40, 3)), kernels=2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_stored_prologue(tf, backend):
+    x = tf.rand((1000,))
+    # y is an output and also summed: it is written by the partial kernel (S divides 1000)
+    _check(tf, backend, lambda x: ((x * 2).exp(), (x * 2).exp().sum()), x, kernels=2)
+    # 997 is prime: the last chunk is masked, so the stored output moves to a pointwise kernel
+    _check(tf, backend, lambda x: ((x * 2).exp(), (x * 2).exp().sum()), tf.rand((997,)), kernels=3)
+
+
+def _shared(x):
+    y = (x.sin() * x.cos()).exp().tanh() * x.sigmoid().log1p()     # too costly to recompute
+    return y.sum(), y.amax()
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_shared_intermediate(tf, backend):
+    # two reductions of one realized value: it is stored by the partial kernel when S divides R;
+    # with a masked last chunk its store would run past the end, so the kernel is not split
+    _check(tf, backend, _shared, tf.rand((1000,)), kernels=2, atol=1e-4, rtol=1e-4)
+    _check(tf, backend, _shared, tf.rand((997,)), kernels=1, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_multi_dim_rows_and_reduced_dims(tf, backend):
+    x = tf.rand((2, 2, 4000))
+    _check(tf, backend, lambda x: x.sum(-1), x, kernels=2, atol=1e-4, rtol=1e-4)
+    _check(tf, backend, lambda x: x.permute(2, 0, 1).sum((0, 1), keepdim=True), x, kernels=2, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# what does not split
+# ----------------------------------------------------------------------------------------------
+
+def test_not_split(tf):
+    # many rows already fill the machine; short rows are not worth a second kernel
+    tf.check(lambda x: x.sum(1), tf.rand((64, 1000)), options=CPP, kernels=1, atol=1e-4, rtol=1e-4)
+    tf.check(lambda x: x.sum(), tf.rand((100,)), options=CPP, kernels=1)
+    # arg-reductions need the index of each partial; softmax/var need a whole row first
+    e = tf.check(lambda x: x.argmax(), tf.rand((1000,)), options=CPP, kernels=1)
+    assert any("not split: argmax" in r for r in e.refused_fusions), e.refused_fusions
+    tf.check(lambda x: torch.softmax(x, -1), tf.rand((1000,)), options=CPP, kernels=1)
+    tf.check(lambda x: x.var(), tf.rand((1000,)), options=CPP, kernels=1)
+    tf.check(lambda x: x.sum(), tf.rand((1000,)), options={**CPP, "split_reductions": False}, kernels=1)
+    # the default thresholds: a small full sum stays one kernel
+    tf.check(lambda x: x.sum(), tf.rand((5000,)), kernels=1)
+
+
+def test_default_threshold_splits_large_cpu_sum(tf):
+    x = tf.rand((1 << 21,))
+    tf.check(lambda x: x.sum(), x, options={"num_threads": 2}, kernels=2, rtol=1e-4, atol=1e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# symbolic sizes: the split factor is computed by the wrapper, no recompiles
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_dynamic_shapes_one_graph(tf, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    for fn in (lambda x: x.sum(), lambda x: (x * 2).amax(), lambda x: x.mean(0)):
+        torch._dynamo.reset()
+        compiled = torchfuse.compile(fn, dynamic=True, options={**BACKENDS[backend], "strict": True})
+        graphs = counters["graphs_compiled"]
+        for shape in [(37, 3), (1000, 3), (5, 3), (4099, 3)]:   # S = 1 for the short ones
+            x = _nan(tf.rand(shape), 0.001)
+            tf.assert_same(compiled(x), fn(x), rtol=1e-4, atol=1e-4)
+        assert counters["graphs_compiled"] - graphs == 1
+
+
+def test_split_factor():
+    from torchfuse.scheduler.split import split_factor
+    assert split_factor(1, 64 << 20, 264, 4096) == 264
+    assert split_factor(8, 8 << 20, 264, 4096) == 33
+    assert split_factor(1, 5000, 264, 4096) == 1
+    assert split_factor(1, 1 << 40, 100000, 1) == 1024     # capped: the final kernel stays short
