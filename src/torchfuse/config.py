@@ -69,6 +69,10 @@ class Config:
     """Fewest reduced elements per partial of a split reduction; 0 picks the device's default
     (tests set it small to split small tensors)."""
 
+    compile_workers: int = 0
+    """Threads that compile a graph's Triton kernels in parallel before its first call (0: one
+    per CPU core, at most 16; 1: compile each kernel on its first launch, as Triton does)."""
+
     # --- backends ---------------------------------------------------------------------------
     cpu_backend: str = "cpp"
     """'cpp' (C++/OpenMP), 'triton' (Triton, under TRITON_INTERPRET=1 on CPU) or 'interpreter'."""

@@ -16,6 +16,7 @@ class Counters(collections.Counter):
       cache_hits_memory kernel libraries found already loaded in this process
       fallback_ops      aten ops executed through ATen inside compiled graphs
       eager_fallbacks   whole graphs run eagerly because a kernel failed to build
+      kernels_precompiled Triton kernels compiled in parallel before a graph's first call
     """
 
     _lock = threading.Lock()

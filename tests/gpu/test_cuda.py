@@ -119,3 +119,15 @@ def test_max_autotune_cuda():
     x = torch.randn(300, 1000, device="cuda")
     cf = torch.compile(lambda t: torch.softmax(t, -1), backend="torchfuse", mode="max-autotune-no-cudagraphs")
     _close(cf(x), torch.softmax(x, -1), torch.float32)
+
+
+def test_triton_kernels_precompiled_in_parallel_before_first_call():
+    """Every kernel of the graph is compiled in the thread pool before the first launch."""
+    def fn(x, y):
+        return (x * 2).softmax(-1), x.t().contiguous() + y, (x + 1).sin()
+    x, y = torch.randn(67, 65, device="cuda"), torch.randn(65, 67, device="cuda")
+    before = torchfuse.counters["kernels_precompiled"]
+    out = torch.compile(fn, backend="torchfuse", options={"strict": True})(x, y)
+    assert torchfuse.counters["kernels_precompiled"] - before == 3
+    for o, r in zip(out, fn(x, y)):
+        _close(o, r, torch.float32)

@@ -153,6 +153,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
             for suffix in ("", "_persistent", "_looped", "_tiled"):
                 if first + suffix in kernels:
                     kernels[dup + suffix] = kernels[first + suffix]
+        if backend == "triton" and not config.autotune and config.compile_workers != 1:
+            _precompile(kernels, kernel_calls, sched, program, config)
     except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
         if config.strict:
             raise
@@ -170,6 +172,15 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
+
+
+def _precompile(kernels: dict, kernel_calls: dict[str, str], sched, program, config: Config) -> None:
+    """Compile the graph's Triton kernels in parallel now instead of one by one on first launch."""
+    from .triton_precompile import default_workers, plan_launches, precompile, symbol_values
+    calls = [(kernel_calls[k.name], k.bindings) for k in sched.kernels if k.name in kernel_calls]
+    dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
+    launches = plan_launches(calls, kernels, dtypes, symbol_values(program))
+    precompile(launches, config.compile_workers or default_workers())
 
 
 def _split_params(program, config: Config) -> SplitParams:

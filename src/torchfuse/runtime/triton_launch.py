@@ -7,6 +7,7 @@ memory and in `<cache_dir>/triton/autotune.json`.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -15,7 +16,7 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 from ..config import Config
 from ..counters import counters
@@ -173,8 +174,26 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
     return False
 
 
+_hook: Any = None     # set by launch_hook(): planned launches go there instead of to the GPU
+
+
+@contextlib.contextmanager
+def launch_hook(fn: Any) -> Iterator[None]:
+    """Within the block, every launch calls `fn(kernel, grid, args, constexprs, warps, names)`
+    instead of running (triton_precompile.py plans a graph's launches this way)."""
+    global _hook
+    old, _hook = _hook, fn
+    try:
+        yield
+    finally:
+        _hook = old
+
+
 def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int,
             names: tuple[str, ...] = ("XBLOCK", "RBLOCK", "BIG")) -> None:
+    if _hook is not None:
+        _hook(kernel, grid, args, constexprs, warps, names)
+        return
     # the table lives on the kernel object, so it dies with it (an id() key could be reused)
     table = kernel.__dict__.get("_tf_fast")
     if table is None:

@@ -1,0 +1,42 @@
+"""Planning a graph's Triton launches ahead of its first call (triton_precompile.py).
+
+The compile itself needs a GPU (tests/gpu); here the plan is checked under the interpreter:
+every kernel of the graph is planned, with the grid, block sizes and warps of the real launch.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")    # before triton is imported (as the other Triton tests)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchfuse  # noqa: E402
+from torchfuse.runtime import triton_launch, triton_precompile  # noqa: E402
+
+pytest.importorskip("triton")
+
+
+def test_planned_launches_match_the_real_ones(monkeypatch):
+    planned: list[tuple] = []
+    monkeypatch.setattr(triton_precompile, "precompile", lambda launches, workers: planned.extend(launches) or 0)
+    real: list[tuple] = []
+    original = triton_launch._launch
+
+    def recording(kernel, grid, args, constexprs, warps, names=("XBLOCK", "RBLOCK", "BIG")):
+        real.append((kernel, tuple(grid), tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args),
+                     tuple(constexprs), warps, tuple(names)))
+        return original(kernel, grid, args, constexprs, warps, names)
+    monkeypatch.setattr(triton_launch, "_launch", recording)
+
+    def fn(x, y):
+        a = (x * 2).softmax(-1)            # a reduction kernel
+        b = x.t().contiguous() + y         # a tiled (transposing) kernel
+        return a, b, (x + 1).sin()         # a pointwise kernel
+    x, y = torch.randn(67, 65), torch.randn(65, 67)
+    e = torchfuse.explain(fn, x, y, options={"cpu_backend": "triton"})
+    assert len(e.kernels) == 3
+    plans = [(k, tuple(g), tuple(args), tuple(c), w, tuple(n)) for k, g, args, c, w, n in planned]
+    assert len(plans) == 3
+    assert sorted(set(map(repr, plans))) == sorted(set(map(repr, real)))     # (explain may run it twice)
