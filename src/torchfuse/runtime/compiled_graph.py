@@ -176,7 +176,9 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
 
 def _precompile(kernels: dict, kernel_calls: dict[str, str], sched, program, config: Config) -> None:
     """Compile the graph's Triton kernels in parallel now instead of one by one on first launch."""
-    from .triton_precompile import default_workers, plan_launches, precompile, symbol_values
+    from .triton_precompile import default_workers, enabled, plan_launches, precompile, symbol_values
+    if not enabled():
+        return
     calls = [(kernel_calls[k.name], k.bindings) for k in sched.kernels if k.name in kernel_calls]
     dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
     launches = plan_launches(calls, kernels, dtypes, symbol_values(program))

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterator
 
+from torch import Tensor as _Tensor
+
 from ..config import Config
 from ..counters import counters
 
@@ -123,17 +125,17 @@ def _tuning(kernel: Any) -> bool:
 
 
 def _spec_key(args: tuple) -> tuple:
-    """What Triton specializes on: 16-byte pointer alignment, ints equal to 1 / divisible by 16."""
+    """What Triton specializes on: pointer dtype and 16-byte alignment; ints equal to 1, divisible
+    by 16, or past 32 bits.  (Flat and branchy on purpose: it runs on every launch.)"""
     key = []
     for a in args:
-        if hasattr(a, "data_ptr"):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool):
-            key.append(("b", a))
-        elif isinstance(a, int):
-            key.append((a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31))
+        if type(a) is int:
+            key.append(1 if a == 1 else 16 if a % 16 == 0 else 2 if -2147483648 <= a < 2147483648 else 3)
+        elif isinstance(a, _Tensor):
+            key.append(a.dtype)
+            key.append(a.data_ptr() % 16 == 0)
         else:
-            key.append(type(a))
+            key.append(a if type(a) is bool else type(a))
     return tuple(key)
 
 
@@ -211,19 +213,46 @@ def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int
         table[key] = _make_fast(binary, args, constexprs, grid)
 
 
-def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
-    if xnumel == 0:
-        return
+# Per kernel, the launch decision for each size (block sizes, warps, grid, the trailing size
+# arguments) is computed once and looked up afterwards: a launch then costs a dict lookup, the
+# specialization key and the binary's launcher.  Bounded: dynamic shapes see many sizes.
+_PLANS_LIMIT = 1024
 
-    def go(xblock: int, warps: int) -> None:
-        _launch(kernel, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, 1), (xblock, 1, big), warps)
+
+def _plans(kernel: Any) -> dict:
+    plans = kernel.__dict__.get("_tf_plans")
+    if plans is None or len(plans) >= _PLANS_LIMIT:
+        plans = kernel.__dict__["_tf_plans"] = {}
+    return plans
+
+
+def _run(plan: tuple, args: tuple) -> None:
+    kernel, grid, tail, constexprs, warps, names = plan
+    _launch(kernel, grid, args + tail, constexprs, warps, names)
+
+
+def _pointwise_plan(kernel: Any, xnumel: int, big: bool, args: tuple) -> tuple:
+    def plan(xblock: int, warps: int) -> tuple:
+        return (kernel, ((xnumel + xblock - 1) // xblock, 1, 1), (xnumel, 1), (xblock, 1, big), warps,
+                ("XBLOCK", "RBLOCK", "BIG"))
 
     xblock = min(POINTWISE_XBLOCK, _next_pow2(xnumel))
     warps = 4 if xblock >= 512 else 2
     if _tuning(kernel) and xnumel >= 4096:
         key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}"
-        xblock, warps = _autotune(kernel, key, [(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8)], go)
-    go(xblock, warps)
+        xblock, warps = _autotune(kernel, key, [(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8)],
+                                  lambda *cand: _run(plan(*cand), args))
+    return plan(xblock, warps)
+
+
+def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
+    plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
+    plan = plans.get((xnumel, big))
+    if plan is None:
+        if xnumel == 0:
+            return
+        plan = plans[(xnumel, big)] = _pointwise_plan(kernel, xnumel, big, args)
+    _run(plan, args)
 
 
 def tile_blocks(xnumel: int, ynumel: int) -> tuple[int, int, int]:
@@ -236,24 +265,31 @@ def tile_blocks(xnumel: int, ynumel: int) -> tuple[int, int, int]:
     return xblock, yblock, 4 if xblock * yblock >= 2048 else 2
 
 
-def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any) -> None:
-    """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims."""
-    if numel == 0:
-        return
+def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, args: tuple) -> tuple:
     others = numel // (xnumel * ynumel)
 
-    def go(xblock: int, yblock: int, warps: int) -> None:
+    def plan(xblock: int, yblock: int, warps: int) -> tuple:
         tiles = -(-xnumel // xblock) * -(-ynumel // yblock) * others
-        _launch(kernel, (tiles, 1, 1), (*args, xnumel, ynumel), (xblock, yblock, big), warps,
-                ("XBLOCK", "YBLOCK", "BIG"))
+        return (kernel, (tiles, 1, 1), (xnumel, ynumel), (xblock, yblock, big), warps, ("XBLOCK", "YBLOCK", "BIG"))
 
     xblock, yblock, warps = tile_blocks(xnumel, ynumel)
     if _tuning(kernel) and numel >= 4096:
         key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}:{_next_pow2(ynumel)}"
         cands = [(x, y, w) for x, y in ((32, 32), (64, 64), (128, 32), (32, 128), (64, 32), (32, 64))
                  for w in (4, 8)]
-        xblock, yblock, warps = _autotune(kernel, key, cands, go)
-    go(xblock, yblock, warps)
+        xblock, yblock, warps = _autotune(kernel, key, cands, lambda *cand: _run(plan(*cand), args))
+    return plan(xblock, yblock, warps)
+
+
+def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any) -> None:
+    """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims."""
+    plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
+    plan = plans.get((xnumel, ynumel, numel, big))
+    if plan is None:
+        if numel == 0:
+            return
+        plan = plans[(xnumel, ynumel, numel, big)] = _tiled_plan(kernel, xnumel, ynumel, numel, big, args)
+    _run(plan, args)
 
 
 _sms: list[int] = []
@@ -269,37 +305,46 @@ def _sm_count() -> int:
     return _sms[0]
 
 
-def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, *args: Any,
-                     xfast: bool = False) -> None:
-    """`xfast`: the input is contiguous across rows (column sums), so long rows are walked by the
-    looped kernel with several rows per tile (XBLOCK x RBLOCK = 2048) instead of one row."""
-    if xnumel == 0:
-        return
+def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, xfast: bool,
+                    args: tuple) -> tuple:
+    tail = (xnumel, rnumel)
     # as many rows per tile as keeps at least one program per SM (a split column sum: all the
     # rows of one chunk), at most COLUMN_XBLOCK; with one row per tile the usual choice stands
     per_sm = xnumel // _sm_count() if xfast and rnumel > LOOPED_RBLOCK else 0
     if per_sm >= 2:
         xblock = min(COLUMN_XBLOCK, 1 << (per_sm.bit_length() - 1))
-        _launch(looped, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, rnumel),
-                (xblock, LOOPED_RBLOCK // xblock, big), 8)
-        return
-    if rnumel <= PERSISTENT_LIMIT:
-        rblock = _next_pow2(max(rnumel, 1))
+        return (looped, ((xnumel + xblock - 1) // xblock, 1, 1), tail, (xblock, LOOPED_RBLOCK // xblock, big), 8,
+                ("XBLOCK", "RBLOCK", "BIG"))
+    if rnumel > PERSISTENT_LIMIT:
+        return looped, (xnumel, 1, 1), tail, (1, LOOPED_RBLOCK, big), 16, ("XBLOCK", "RBLOCK", "BIG")
+    rblock = _next_pow2(max(rnumel, 1))
 
-        def go(xblock: int, warps: int) -> None:
-            _launch(persistent, ((xnumel + xblock - 1) // xblock, 1, 1), (*args, xnumel, rnumel),
-                    (xblock, rblock, big), warps)
+    def plan(xblock: int, warps: int) -> tuple:
+        return (persistent, ((xnumel + xblock - 1) // xblock, 1, 1), tail, (xblock, rblock, big), warps,
+                ("XBLOCK", "RBLOCK", "BIG"))
 
-        # Measured with mode="max-autotune" on an H100 (BENCHMARKS.md): tiles of ~2048 elements
-        # (XBLOCK 1-2 for 1000-wide rows) with ~16 elements per thread win for rows <= 1024;
-        # longer rows want one row per program and 8-16 warps.
-        xblock = max(1, min(_next_pow2(xnumel), 2048 // rblock, 64))
-        warps = min(16, max(1, xblock * rblock // 512))
-        if _tuning(persistent):
-            key = f"{persistent.fn.__name__}:{persistent.fn.__module__}:{rblock}:{_next_pow2(xnumel)}"
-            cands = [(x, w) for x in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16)
-                     if x <= _next_pow2(xnumel) and 256 <= x * rblock <= 32768 and x * rblock // (32 * w) in range(2, 65)]
-            xblock, warps = _autotune(persistent, key, cands or [(xblock, warps)], go)
-        go(xblock, warps)
-    else:
-        _launch(looped, (xnumel, 1, 1), (*args, xnumel, rnumel), (1, LOOPED_RBLOCK, big), 16)
+    # Measured with mode="max-autotune" on an H100 (BENCHMARKS.md): tiles of ~2048 elements
+    # (XBLOCK 1-2 for 1000-wide rows) with ~16 elements per thread win for rows <= 1024;
+    # longer rows want one row per program and 8-16 warps.
+    xblock = max(1, min(_next_pow2(xnumel), 2048 // rblock, 64))
+    warps = min(16, max(1, xblock * rblock // 512))
+    if _tuning(persistent):
+        key = f"{persistent.fn.__name__}:{persistent.fn.__module__}:{rblock}:{_next_pow2(xnumel)}"
+        cands = [(x, w) for x in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16)
+                 if x <= _next_pow2(xnumel) and 256 <= x * rblock <= 32768 and x * rblock // (32 * w) in range(2, 65)]
+        xblock, warps = _autotune(persistent, key, cands or [(xblock, warps)], lambda *cand: _run(plan(*cand), args))
+    return plan(xblock, warps)
+
+
+def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, *args: Any,
+                     xfast: bool = False) -> None:
+    """`xfast`: the input is contiguous across rows (column sums), so long rows are walked by the
+    looped kernel with several rows per tile (XBLOCK x RBLOCK = 2048) instead of one row."""
+    plans = persistent.__dict__.get("_tf_plans") or _plans(persistent)
+    plan = plans.get((xnumel, rnumel, big, xfast))
+    if plan is None:
+        if xnumel == 0:
+            return
+        plan = plans[(xnumel, rnumel, big, xfast)] = _reduction_plan(persistent, looped, xnumel, rnumel, big, xfast,
+                                                                       args)
+    _run(plan, args)

@@ -101,5 +101,13 @@ def precompile(launches: list[tuple], workers: int) -> int:
     return len(launches)
 
 
+def enabled() -> bool:
+    """Parallel precompile applies to compiled Triton (not under the interpreter: nothing to compile)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import triton
+    return hasattr(triton, "AsyncCompileMode")
+
+
 def default_workers() -> int:
     return max(1, min(16, (os.cpu_count() or 1)))
