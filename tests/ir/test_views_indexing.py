@@ -325,3 +325,11 @@ def test_graph_returning_an_input_unchanged(tf):
 def test_flip_of_flattened_transpose(tf):
     x = tf.rand((3, 4, 3))
     tf.check(lambda x: x.transpose(0, -1).reshape(-1).flip(0)[26::2] * 1, x)
+
+
+def test_negative_slice_start_on_symbolic_size(tf):
+    """x[:, -k:] of a dynamic-size dim counts from the end (was read from the start: wrong values)."""
+    def fn(x, y):
+        z = torch.cat([x, y], 1) * 2
+        return z[:, -1:] + 1, z[:, -3:-1].sum(1), x[:, -2:] * 3
+    tf.check_dynamic(fn, [(torch.randn(3, n), torch.randn(3, 4)) for n in (5, 9, 17)])

@@ -152,14 +152,18 @@ def _slice(lw, x, dim=0, start=None, end=None, step=1):
     meta_in = meta_val(lw.current.args[0])
     size = meta_in.shape[dim]
     start = 0 if start is None else start
+    symbolic_from_end = False
     if isinstance(start, int):
-        start = max(0, min(start + size, size) if start < 0 else start) if isinstance(size, int) else start
-        if isinstance(size, int) and start > size:
-            start = size
+        if isinstance(size, int):
+            start = max(0, min(start + size, size) if start < 0 else start)
+        elif start < 0:
+            # x[:, -k:] of a symbolic size: counted from the end (tracing the slice guarded that
+            # size - k >= 0, as eager would otherwise clamp it to 0)
+            start, symbolic_from_end = x.shape[dim] + const(start), True
     elif not isinstance(start, Node):
         raise Unsupported("symbolic negative slice start")
     start_n = start if isinstance(start, Node) else const(start)
-    if isinstance(start, Node) and start.op != "const":
+    if isinstance(start, Node) and start.op != "const" and not symbolic_from_end:
         # symbolic start may be negative at run time; only the meta path knows
         strided = _meta_view(lw, x)
         if strided is None:

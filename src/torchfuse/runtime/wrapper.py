@@ -226,7 +226,9 @@ if _reinterpret_tensor is not None:
 
 @functools.lru_cache(maxsize=None)
 def _allocator(device: torch.device) -> Callable[..., torch.Tensor]:
-    """`alloc(size, stride, dtype)` for `device`."""
+    """`alloc(size, stride, dtype)` for `device` (None: the default device, as torch.empty_strided)."""
+    if device is None:
+        return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)
     device = torch.device(device)
     if device.type == "cpu" and _empty_strided_cpu is not None:
         return _empty_strided_cpu
