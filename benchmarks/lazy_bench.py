@@ -4,9 +4,11 @@
     python benchmarks/lazy_bench.py --quick    # smaller sizes and fewer repeats
     python benchmarks/lazy_bench.py --device cuda
 
-Three parts, printed as one markdown table:
+Four parts, printed as one markdown table:
   1. interception overhead: microseconds per op on a tiny tensor, eager vs recorded inside a
      lazy block (recording only: the flush is outside the timed region);
+  1b. per-flush cost: a 6-op chain on a tiny tensor, time to record it and time to flush it
+     (signature, cache lookup, running the cached compiled graph, publishing the result);
   2. a 6-op pointwise chain on a large tensor: eager vs lazy (steady state: the compiled graph
      comes from the cache) vs torch.compile(backend="torchfuse");
   3. GPT-2 (HuggingFace, random weights) inference under no_grad: eager vs lazy vs
@@ -93,6 +95,32 @@ def interception_overhead(device: str, n: int, repeats: int) -> list[tuple[str, 
     return rows
 
 
+def flush_cost(device: str, repeats: int) -> tuple[float, float, float]:
+    """(eager us, record us, flush us) of `chain6` on a 4x8 tensor, medians."""
+    x = torch.randn(4, 8, device=device)
+    ctx = torchfuse.lazy()
+    for _ in range(3):
+        with ctx:
+            y = chain6(x)            # held: a dropped value is never computed
+    rec, fl, eager = [], [], []
+    for _ in range(repeats * 20):
+        t0 = time.perf_counter()
+        ctx.__enter__()
+        y = chain6(x)
+        t1 = time.perf_counter()
+        ctx.__exit__(None, None, None)
+        sync(device)
+        t2 = time.perf_counter()
+        chain6(x)
+        sync(device)
+        t3 = time.perf_counter()
+        rec.append(t1 - t0)
+        fl.append(t2 - t1)
+        eager.append(t3 - t2)
+    del y
+    return tuple(1e6 * statistics.median(v) for v in (eager, rec, fl))  # type: ignore[return-value]
+
+
 # --------------------------------------------------------------------------------------------
 # 2. pointwise chain, 3. GPT-2
 # --------------------------------------------------------------------------------------------
@@ -133,17 +161,24 @@ def gpt2(device: str, layers: int, embd: int, seq: int, batch: int, repeats: int
             out = model(ids).logits
         return out
 
+    def lazy_eager_mm() -> torch.Tensor:
+        with torch.no_grad(), torchfuse.lazy(defer_matmuls=False):
+            out = model(ids).logits
+        return out
+
     def comp() -> torch.Tensor:
         with torch.no_grad():
             return compiled(ids).logits
 
     ref = eager()
     torch.testing.assert_close(lazy(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lazy_eager_mm(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(comp(), ref, atol=1e-3, rtol=1e-3)
-    return timeit({"eager": eager, "lazy": lazy, "torch.compile(torchfuse)": comp}, device, repeats, inner=2)
+    return timeit({"eager": eager, "lazy": lazy, "lazy(defer_matmuls=False)": lazy_eager_mm,
+                   "torch.compile(torchfuse)": comp}, device, repeats, inner=2)
 
 
-def lazy_flush_profile(device: str, layers: int, embd: int, seq: int, batch: int) -> str:
+def lazy_flush_profile(device: str, layers: int, embd: int, seq: int, batch: int, defer: bool = True) -> str:
     import transformers
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=layers, n_embd=embd, n_head=max(1, embd // 64), vocab_size=2048,
@@ -151,10 +186,11 @@ def lazy_flush_profile(device: str, layers: int, embd: int, seq: int, batch: int
     model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
     ids = torch.randint(0, 2048, (batch, seq), device=device)
     with torch.no_grad():
-        with torchfuse.lazy():
-            model(ids)
-        with torchfuse.lazy() as ctx:
-            model(ids)
+        with torchfuse.lazy(defer_matmuls=defer):
+            out = model(ids).logits          # held: dropped values are never computed
+        with torchfuse.lazy(defer_matmuls=defer) as ctx:
+            out = model(ids).logits
+    del out
     ops = sum(f.ops for f in ctx.flushes)
     return (f"{len(ctx.flushes)} flushes, {ops} recorded ops, {ctx.kernels} kernel launches, "
             f"{sum(f.cache_hit for f in ctx.flushes)}/{len(ctx.flushes)} cache hits")
@@ -164,8 +200,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     args = ap.parse_args()
     device = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     quick = args.quick
     reps = 5 if quick else 15
@@ -176,6 +215,10 @@ def main() -> None:
     for name, e, lz in interception_overhead(device, 100 if quick else 200, reps):
         lines.append(f"| overhead/op: {name} | {e:.1f} us | {lz:.1f} us | - | - | +{lz - e:.1f} us per op, "
                      f"recording only |")
+
+    e, r, f = flush_cost(device, reps)
+    lines.append(f"| per-flush: 6-op chain, 4x8 (record / flush) | {e:.1f} us | {r:.1f} + {f:.1f} us | - | - | "
+                 f"record 6 ops, then flush: signature, cache hit, run, publish |")
 
     numel = (1 << 20) if quick else (1 << 24)
     t = pointwise_chain(device, numel, reps)
@@ -193,6 +236,10 @@ def main() -> None:
         lines.append(f"| GPT-2 inference (n_layer={layers}, n_embd={embd}, batch={batch}, seq={seq}) | "
                      f"{1e3 * t['eager']:.2f} ms | {1e3 * t['lazy']:.2f} ms | "
                      f"{1e3 * t['torch.compile(torchfuse)']:.2f} ms | {t['eager'] / t['lazy']:.2f}x | {prof} |")
+        prof = lazy_flush_profile(device, layers, embd, seq, batch, defer=False)
+        t2 = t["lazy(defer_matmuls=False)"]
+        lines.append(f"| GPT-2, lazy(defer_matmuls=False) | {1e3 * t['eager']:.2f} ms | {1e3 * t2:.2f} ms | - | "
+                     f"{t['eager'] / t2:.2f}x | {prof} |")
     print("\n".join(lines))
 
 

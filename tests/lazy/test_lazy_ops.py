@@ -112,7 +112,7 @@ def test_results_are_pending_inside_the_block():
 
 def test_only_needed_values_are_flushed():
     x, w = r(4, 4), r(4, 4)
-    with torchfuse.lazy() as ctx:
+    with torchfuse.lazy(defer_matmuls=False) as ctx:      # the matmul forces its inputs
         a = x * 2 + 1
         b = x.exp() - 3          # not needed by the matmul
         c = a @ w
@@ -170,6 +170,31 @@ def test_non_fusible_ops_run_eagerly_on_computed_inputs(tf):
                                torch.sort(a + 1, 1).values, torch.nonzero(a > 0)), x, w, b)
 
 
+def test_matmuls_are_deferred_into_the_graph():
+    # By default a matmul is recorded too: linear -> gelu -> linear -> residual -> layer norm is
+    # one flush, the matmuls run through ATen inside the compiled graph.
+    x, w1, b1, w2 = r(6, 8), r(16, 8), r(16), r(8, 16)
+
+    def mlp(a):
+        h = F.gelu(F.linear(a * 2, w1, b1))
+        return F.layer_norm(a + h @ w2.t(), (8,)), torch.bmm(a[None], w1.t()[None]).relu()
+
+    before = counters["eager_fallbacks"]
+    out, ctx = run_lazy(mlp, x)
+    assert counters["eager_fallbacks"] == before
+    for got, want in zip(out, mlp(x)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert len(ctx.flushes) == 1 and ctx.flushes[0].reason == "end of the lazy block", ctx.explain()
+    names = ctx.flushes[0].op_names
+    assert "aten.addmm.default" in names or "aten.mm.default" in names, names
+    # attention is deferred too when it has no dropout (dropout_p > 0 is random: eager)
+    q = r(1, 2, 4, 8)
+    with torchfuse.lazy() as ctx:
+        a = F.scaled_dot_product_attention(q * 1, q, q)
+    torch.testing.assert_close(a, F.scaled_dot_product_attention(q, q, q), atol=1e-5, rtol=1e-4)
+    assert len(ctx.flushes) == 1 and ctx.flushes[0].reason == "end of the lazy block", ctx.explain()
+
+
 def test_fallback_ops_option_runs_op_eagerly():
     x = r(4, 4)
     with torchfuse.lazy(options={"fallback_ops": ["aten.exp.default"]}) as ctx:
@@ -181,7 +206,7 @@ def test_fallback_ops_option_runs_op_eagerly():
 def test_debug_folder_and_explain(tmp_path):
     x = r(6, 6)
     dbg = tmp_path / "dbg"
-    with torchfuse.lazy(options={"debug": True, "debug_dir": str(dbg)}) as ctx:
+    with torchfuse.lazy(options={"debug": True, "debug_dir": str(dbg)}, defer_matmuls=False) as ctx:
         y = (x * 2.75).softmax(-1)
         z = y @ x
         w = (z + 1).relu()

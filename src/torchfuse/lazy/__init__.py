@@ -11,14 +11,20 @@ Design (see the modules for details):
 * `mode.LazyMode`, a TorchDispatchMode active inside the block, sees every aten op.  Fusible
   ops (a lowering in `torchfuse.ir.lowering.LOWERINGS` or a torchfuse decomposition; not random,
   not mutating; no autograd needed; strided tensors on one CPU/CUDA device) are recorded as
-  `graph.LazyNode`s; their outputs are `tensor.LazyTensor`s, wrapper subclasses with eager
-  mode's sizes, strides and dtype computed by the ops' meta kernels.  Everything else runs
-  eagerly on computed inputs.
+  `graph.LazyNode`s; so are matmuls, attention (without dropout), convolutions and cumsum,
+  which run through ATen inside the compiled graph (`lazy(defer_matmuls=False)` runs them
+  eagerly instead).  Outputs are `tensor.LazyTensor`s, wrapper subclasses with eager mode's
+  sizes, strides and dtype computed by the ops' meta kernels -- once per (op, scalars, input
+  layouts): `mode.Plan`s cache that, so recording an op again is a dict lookup.  Everything
+  else runs eagerly on computed inputs.
 * A flush (`graph.flush`) computes exactly the pending values something needs -- plus values
   computed on the way that are still referenced -- by replaying their ops under make_fx into an
-  aten graph with FakeTensor metadata, compiling it with `compile_graph` and running it.
-  Compiled graphs are cached by a structural signature (ops, scalar arguments, how nodes
-  connect, leaf dtypes/sizes/strides), so loops compile once per distinct step shape.
+  aten graph, compiling it with `compile_graph` and running it.  `cache` keeps compiled graphs
+  in two levels: by exact signature (ops, scalars, how nodes connect, leaf dtypes/sizes/strides;
+  one dict lookup per flush), and by the same signature without sizes, for graphs traced with
+  symbolic sizes plus the shape guards they assumed: a new batch size compiles nothing.  Both
+  are LRU-bounded by `Config.memory_cache_size`.  Counters: `lazy_flushes`, `lazy_cache_hits`
+  (exact), `lazy_shape_hits` (size-free), `lazy_compiles`.
 * Flushes happen when a non-fusible op reads a pending value, when data leaves the tensor world
   (.item(), bool(), print, .tolist(), .numpy(), .data_ptr(), ...), before an op writes memory a
   pending value read, when the pending graph exceeds `max_nodes` (512), and at the end of the
@@ -33,12 +39,16 @@ random stream; autograd records exactly what it records in eager mode, because e
 needs autograd (a tensor requiring grad under grad mode, or anything in a backward pass) runs
 eagerly -- only the no-grad parts of a program are fused.
 
-Limitations: sizes and scalar arguments are part of the cache signature (compile_graph bakes
-concrete sizes into kernels), so each new size or scalar value compiles once; writes that bypass
-the dispatcher (through `.numpy()` arrays, `data_ptr()` in C extensions) are not seen -- call
-`ctx.flush()` first; a pending LazyTensor has no memory until computed, so C++ code reading its
-data pointer directly must see a computed one; interception costs roughly 15-30 us per op in
-Python, so tiny tensors run slower than eager; factories on CUDA run eagerly.
+Limitations: scalar arguments are part of the cache signature, so each new scalar value
+compiles once; index-like integers (slice bounds, select index) too, only `size=`/`shape=`
+lists are lifted out of it.  A graph the core cannot compile with symbolic sizes, or whose
+symbolic compile disagrees with eager on its first run, is compiled with static sizes (once per
+size).  Symbolic-size C++ kernels can be slower than static ones (about 25% on GPT-2's layer
+norms on the 2-core CPU).  Writes that bypass the dispatcher (through `.numpy()` arrays,
+`data_ptr()` in C extensions) are not seen -- call `ctx.flush()` first; a pending LazyTensor
+has no memory until computed, so C++ code reading its data pointer directly must see a computed
+one; interception costs roughly 10-20 us per op in Python, so tiny tensors run slower than
+eager; factories on CUDA run eagerly.
 """
 from .context import LazyContext, lazy
 from .graph import FlushRecord, clear_cache

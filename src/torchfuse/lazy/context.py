@@ -15,6 +15,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Callable, Iterator, Mapping
@@ -24,6 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 
 from ..api import Explanation
 from ..config import Config
+from .cache import config_token
 from .graph import FlushRecord, LazyNode, flush
 from .mode import LazyMode
 from .tensor import LazyTensor
@@ -62,18 +64,51 @@ def default_context() -> "LazyContext":
     return _default
 
 
+_CONFIGS: dict[tuple, Config] = {}
+_ENV = ("TORCHFUSE_DEBUG", "TORCHFUSE_STRICT", "TORCHFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME")
+
+
+def _config(options: Mapping[str, Any] | None) -> Config:
+    """Config.from_options, memoized: `with torchfuse.lazy():` around every forward pass would
+    otherwise rebuild (and later re-hash) a Config each time.  Keyed by the options and the
+    environment variables from_options reads."""
+    try:
+        key = (tuple(sorted((options or {}).items())), tuple(os.environ.get(v) for v in _ENV))
+        hash(key)
+    except TypeError:                   # unhashable option values: no memo
+        return Config.from_options(options)
+    config = _CONFIGS.get(key)
+    if config is None:
+        if len(_CONFIGS) > 256:
+            _CONFIGS.clear()
+        config = _CONFIGS[key] = Config.from_options(options)
+    return config
+
+
+def pop_lazy_modes() -> list:
+    """Pop our modes off the top of the dispatch mode stack (see `suspended`); returns them for
+    `push_modes`.  Plain functions: flushes call this pair and a generator-based context
+    manager costs microseconds."""
+    popped = []
+    while isinstance(_get_current_dispatch_mode(), LazyMode):
+        popped.append(_pop_mode())
+    return popped
+
+
+def push_modes(popped: list) -> None:
+    for m in reversed(popped):
+        _push_mode(m)
+
+
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """Run torch code without lazy recording (flushes, compiled graphs, printing): pop our modes
     off the top of the dispatch mode stack and put them back afterwards."""
-    popped = []
-    while isinstance(_get_current_dispatch_mode(), LazyMode):
-        popped.append(_pop_mode())
+    popped = pop_lazy_modes()
     try:
         yield
     finally:
-        for m in reversed(popped):
-            _push_mode(m)
+        push_modes(popped)
 
 
 class LazyContext:
@@ -84,9 +119,13 @@ class LazyContext:
     `report`: a `torchfuse.Explanation` with the graphs and kernels compiled for this block.
     """
 
-    def __init__(self, options: Mapping[str, Any] | None = None, max_nodes: int = DEFAULT_MAX_NODES):
-        self.config = Config.from_options(options)
+    def __init__(self, options: Mapping[str, Any] | None = None, max_nodes: int = DEFAULT_MAX_NODES,
+                 defer_matmuls: bool = True, dynamic: bool | None = True):
+        self.config = _config(options)
+        self.token = config_token(self.config)  # the config's part of compiled-graph cache keys
         self.max_nodes = max_nodes
+        self.defer_matmuls = defer_matmuls      # record matmuls/attention/convolutions too
+        self.dynamic = dynamic                  # symbolic sizes: True, False, None = from the 2nd size
         self.forced_fallbacks = frozenset(self.config.fallback_ops)
         self.flushes: list[FlushRecord] = []    # the newest MAX_LOG flushes at most
         self.num_flushes = 0                    # all flushes, including those trimmed from the log
@@ -224,19 +263,24 @@ def _plain(t: LazyTensor) -> torch.Tensor:
 
 
 def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None,
-         max_nodes: int = DEFAULT_MAX_NODES) -> Any:
+         max_nodes: int = DEFAULT_MAX_NODES, defer_matmuls: bool = True, dynamic: bool | None = True) -> Any:
     """Eager micro-fusion: inside the block fusible aten ops are recorded and compiled in
     batches by torchfuse when their results are needed.
 
     `with torchfuse.lazy() as ctx:` / `@torchfuse.lazy` / `@torchfuse.lazy(options={...})`.
     `options` are torchfuse's compile options (see `torchfuse.Config`); `max_nodes` bounds the
-    number of ops recorded before everything pending is flushed.
+    number of ops recorded before everything pending is flushed.  `defer_matmuls` (default on)
+    records matmuls, attention and convolutions too (they run through ATen inside the compiled
+    graph); off, they run eagerly and force the pending values they read, one flush each.
+    `dynamic`: True compiles graphs with symbolic sizes (a new batch size compiles nothing);
+    None compiles static sizes first and symbolic ones from a structure's second size on
+    (static C++ kernels are faster); False compiles every size separately.
     """
     if fn is not None:
         if not callable(fn):
             raise TypeError("torchfuse.lazy: pass options by keyword: torchfuse.lazy(options={...})")
-        return LazyContext(options, max_nodes)(fn)
-    return LazyContext(options, max_nodes)
+        return LazyContext(options, max_nodes, defer_matmuls, dynamic)(fn)
+    return LazyContext(options, max_nodes, defer_matmuls, dynamic)
 
 
 # --------------------------------------------------------------------------------------------

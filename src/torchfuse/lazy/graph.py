@@ -14,19 +14,18 @@ leaf), so a loop that records the same ops every step compiles once.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-import warnings
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..api import Explanation
-from ..config import Config
 from ..counters import counters
+from . import cache
+from .cache import Slot, fill
 
 if TYPE_CHECKING:
     from .context import LazyContext
@@ -43,14 +42,6 @@ Ref = Any     # an input of a node: a real torch.Tensor or a (LazyNode, output i
 
 class Unrecordable(Exception):
     """Raised while scanning an op's arguments when the op cannot be deferred."""
-
-
-class Slot:
-    """Placeholder for the i-th tensor argument inside a node's argument template."""
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
 
 
 _TENSOR_KEY = "\x00T"      # marks a tensor position in a structural key
@@ -94,17 +85,6 @@ def _conv(a: Any, key: list, tensors: list) -> Any:
         key.append((t, a))
         return a
     raise Unrecordable(f"argument of type {t.__name__}")
-
-
-def fill(template: Any, tensors: list) -> Any:
-    """The inverse of `scan`: put `tensors` back into the `Slot`s of a template."""
-    if type(template) is Slot:
-        return tensors[template.i]
-    if type(template) in (list, tuple):
-        return type(template)(fill(x, tensors) for x in template)
-    if type(template) is dict:      # kwargs: always a fresh dict, callers may add to it
-        return {k: fill(v, tensors) for k, v in template.items()}
-    return template
 
 
 def tensor_meta(t: torch.Tensor) -> tuple:
@@ -159,16 +139,21 @@ def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: l
 class LazyNode:
     """One recorded aten op.  `results[k]` holds output k once it has been computed."""
     __slots__ = ("func", "targs", "tkwargs", "inputs", "skey", "descs", "container", "device",
-                 "is_view", "results", "wrappers", "has_views", "depth", "__weakref__")
+                 "is_view", "results", "wrappers", "has_views", "depth", "dids", "mark", "pos",
+                 "__weakref__")
 
     def __init__(self, func: Any, targs: tuple, tkwargs: dict, inputs: list[Ref], skey: tuple,
-                 descs: list[Desc], container: type | None, device: torch.device, is_view: bool):
+                 descs: list[Desc], container: type | None, device: torch.device, is_view: bool,
+                 dids: tuple = ()):
         self.func, self.targs, self.tkwargs = func, targs, tkwargs
         self.inputs = inputs
         self.skey = skey
         self.descs, self.container = descs, container
         self.device = device
         self.is_view = is_view
+        self.dids = dids             # interned layout ids of the outputs (see mode.Plan)
+        self.mark = 0                # last `topo` walk that visited this node
+        self.pos = 0                 # position in that walk's order
         self.results: list[torch.Tensor | None] | None = None
         self.wrappers: list[weakref.ref | None] = [None] * len(descs)
         self.has_views = False       # a pending view of this node exists (blocks in-place rebinding)
@@ -198,27 +183,34 @@ def ref_real(ref: Ref) -> torch.Tensor | None:
     return ref
 
 
+_walks = itertools.count(1)
+
+
 def topo(nodes: list[LazyNode]) -> list[LazyNode]:
-    """Pending ancestors of `nodes` (inclusive) in dependency order (iterative: chains of
-    hundreds of ops must not hit Python's recursion limit)."""
+    """Pending ancestors of `nodes` (inclusive) in dependency order; sets each one's `pos` to
+    its index.  Iterative (chains of hundreds of ops must not hit Python's recursion limit);
+    visited nodes are marked with the walk's number instead of being put in a set."""
+    walk = next(_walks)
     order: list[LazyNode] = []
-    done: set[int] = set()
     stack = list(nodes)
     while stack:
         n = stack[-1]
-        if id(n) in done:
+        if n.mark == walk:
             stack.pop()
             continue
         pushed = False
         for ref in n.inputs:
             if type(ref) is tuple:
-                p, k = ref
-                if not p.resolved(k) and id(p) not in done:
-                    stack.append(p)
-                    pushed = True
+                p = ref[0]
+                if p.mark != walk:
+                    res = p.results
+                    if res is None or res[ref[1]] is None:
+                        stack.append(p)
+                        pushed = True
         if not pushed:
             stack.pop()
-            done.add(id(n))
+            n.mark = walk
+            n.pos = len(order)
             order.append(n)
     return order
 
@@ -244,32 +236,12 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
         return ("tensor", id(t))
 
 
-# --------------------------------------------------------------------------------------------
-# compiled-graph cache
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Compiled:
-    call: Callable
-    kernels: int
-    graph: str
-    copy_outputs: tuple[int, ...] = ()     # outputs aliasing a leaf or another output: copied
-    checked: bool = False
-
-
-_CACHE: "OrderedDict[tuple, Compiled]" = OrderedDict()
-_CACHE_MAX = 1024
-_CONFIG_TOKENS: dict[Config, int] = {}
-
-
-def config_token(config: Config) -> int:
-    """A small int per distinct Config, so cache keys do not hash the whole Config every flush."""
-    return _CONFIG_TOKENS.setdefault(config, len(_CONFIG_TOKENS))
-
-
 def clear_cache() -> None:
-    _CACHE.clear()
+    """Forget compiled graphs and recording plans (kernel libraries stay in their own cache)."""
+    from .mode import clear_plans
+    cache.clear()
     _META_CACHE.clear()
+    clear_plans()
 
 
 @dataclass
@@ -301,11 +273,12 @@ class FlushRecord:
 
 def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | None") -> None:
     """Compute the pending `values` (and nothing they do not need) and publish them."""
-    from .context import suspended
-    values = [v for v in values if not v[0].resolved(v[1])]
+    from .context import pop_lazy_modes, push_modes
+    values = [v for v in values if v[0].results is None or v[0].results[v[1]] is None]
     if not values:
         return
-    with suspended():
+    popped = pop_lazy_modes()          # flushing runs plain torch code, not recorded
+    try:
         roots: dict[tuple[int, int], tuple[LazyNode, int]] = {}
         for node, k in values:
             r = view_root(node, k)
@@ -314,11 +287,13 @@ def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | N
         by_device: dict[torch.device, list[tuple[LazyNode, int]]] = {}
         for r in roots.values():
             by_device.setdefault(r[0].device, []).append(r)
-        views = list(values)
+        views = values
         for device, rs in by_device.items():
             views += _run_graph(rs, device, reason, ctx)
         for node, k in views:
             _replay_views(node, k)
+    finally:
+        push_modes(popped)
 
 
 def _replay_views(node: LazyNode, k: int) -> None:
@@ -338,17 +313,18 @@ def _replay_views(node: LazyNode, k: int) -> None:
 def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
     """Store computed outputs in `node` and hand them to its live wrappers."""
     from .tensor import attach_real
-    if node.results is None:
-        node.results = [None] * len(node.descs)
+    results = node.results
+    if results is None:
+        results = node.results = [None] * len(node.descs)
     for k, real in enumerate(outs):
-        if real is None or node.results[k] is not None:
+        if real is None or results[k] is not None:
             continue
-        node.results[k] = real
+        results[k] = real
         ref = node.wrappers[k]
         w = ref() if ref is not None else None
         if w is not None and w._lz_node is node:
             attach_real(w, real)
-    if all(r is not None for r in node.results):
+    if all(r is not None for r in results):     # (`None in results` would call Tensor.__eq__)
         # Fully computed: the node is a leaf from now on; drop its inputs so that their memory
         # (and the whole chain of ancestors) can be freed.
         node.inputs = []
@@ -384,20 +360,23 @@ def _live_extras(order: list[LazyNode], roots: list[tuple[LazyNode, int]]
 
 def _signature(order: list[LazyNode], roots: list[tuple[LazyNode, int]], device: torch.device, token: int
                ) -> tuple[tuple, list[torch.Tensor], list[list]]:
-    index = {id(n): i for i, n in enumerate(order)}
+    """The exact cache key of the graph computing `roots` (needs `order` from `topo`: it uses
+    the nodes' `pos`), its leaves, and per node the code of each input (a leaf index or the
+    (position, output) of a node of the graph)."""
     leaves: list[torch.Tensor] = []
     leaf_index: dict[int, int] = {}
     entries = []
     codes: list[list] = []
     for n in order:
-        refs = []
+        refs: list = []
         for ref in n.inputs:
             if type(ref) is tuple:
                 p, k = ref
-                if not p.resolved(k):
-                    refs.append((index[id(p)], k))
+                res = p.results
+                if res is None or res[k] is None:
+                    refs.append((p.pos, k))
                     continue
-                t = p.results[k]
+                t = res[k]
             else:
                 t = ref
             j = leaf_index.get(id(t))
@@ -407,8 +386,8 @@ def _signature(order: list[LazyNode], roots: list[tuple[LazyNode, int]], device:
             refs.append(j)
         codes.append(refs)
         entries.append((n.skey, tuple(refs)))
-    outs = tuple((index[id(n)], k) for n, k in roots)
-    leaf_key = tuple((t.dtype, t.shape, t.stride()) for t in leaves)
+    outs = tuple([(n.pos, k) for n, k in roots])
+    leaf_key = tuple([(t.dtype, t.size(), t.stride(), t.storage_offset()) for t in leaves])
     return (token, device, leaf_key, tuple(entries), outs), leaves, codes
 
 
@@ -422,44 +401,54 @@ def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: 
     order = topo([r[0] for r in roots])
     n_requested = len(roots)
     views = _live_extras(order, roots)
-    sig, leaves, codes = _signature(order, roots, device, config_token(ctx.config))
-    entry = _CACHE.get(sig)
-    hit = entry is not None
-    if hit:
-        _CACHE.move_to_end(sig)
-        counters.bump("lazy_cache_hits")
-    else:
-        entry = _compile(order, codes, sig[4], leaves, ctx)
-        _CACHE[sig] = entry
-        if len(_CACHE) > _CACHE_MAX:
-            _CACHE.popitem(last=False)
+    sig, leaves, codes = _signature(order, roots, device, ctx.token)
+    entry, hit = cache.lookup(sig, order, codes, sig[4], leaves, device, ctx)
     with torch.no_grad():
-        outs = list(entry.call(list(leaves)))
+        outs = entry.call(leaves)
     if not entry.checked:
-        entry.copy_outputs = _aliasing_outputs(outs, leaves)
-        entry.checked = True
+        _check_outputs(entry, outs, leaves, roots)
     for i in entry.copy_outputs:
         outs[i] = _copy_like(outs[i])
-    # Group outputs per node (a multi-output node may have only some outputs computed).
-    per_node: dict[int, tuple[LazyNode, list]] = {}
-    for (node, k), out in zip(roots, outs):
+    for i, fix in entry.fixes:
+        node, k = roots[i]
+        size, stride, _, dtype = node.descs[k]
+        out = outs[i].to(dtype) if fix == "dtype" else outs[i]
+        outs[i] = torch.empty_strided(size, stride, dtype=dtype, device=out.device).copy_(out)
+    if len(roots) == 1 and len(roots[0][0].descs) == 1:
+        publish(roots[0][0], outs)
+    else:
+        # Group outputs per node (a multi-output node may have only some outputs computed).
+        per_node: dict[int, tuple[LazyNode, list]] = {}
+        for (node, k), out in zip(roots, outs):
+            per_node.setdefault(id(node), (node, [None] * len(node.descs)))[1][k] = out
+        for node, outs_k in per_node.values():
+            publish(node, outs_k)
+    counters.bump("lazy_flushes")
+    ctx._log_flush(FlushRecord(reason, len(order), len(roots), entry.kernels, hit,
+                               None if hit else entry.compiled.graph, 1e3 * (time.perf_counter() - t0),
+                               tuple([n.func for n in order]), len(roots) - n_requested))
+    return views
+
+
+def _check_outputs(entry: "cache.Entry", outs: list[torch.Tensor], leaves: list[torch.Tensor],
+                   roots: list[tuple[LazyNode, int]]) -> None:
+    """First run of a cache entry: outputs must have the sizes the meta kernels promised; note
+    outputs that alias memory (copied every run) and dtypes / layouts that differ from eager's
+    (converted every run).  The entry's key fixes all of this, so later runs skip the checks."""
+    entry.copy_outputs = _aliasing_outputs(outs, leaves)
+    fixes = []
+    for i, ((node, k), out) in enumerate(zip(roots, outs)):
         size, stride, _, dtype = node.descs[k]
         if out.size() != size:
             raise RuntimeError(f"torchfuse.lazy: internal error: {node.name()} produced shape "
                                f"{tuple(out.shape)}, its meta kernel said {tuple(size)}")
         if out.dtype != dtype:       # a decomposition that promotes differently from the meta kernel
             log.warning("torchfuse.lazy: %s produced %s, eager gives %s; converting", node.name(), out.dtype, dtype)
-            out = out.to(dtype)
-        if out.stride() != stride and out.numel() > 1:
-            out = torch.empty_strided(size, stride, dtype=dtype, device=out.device).copy_(out)
-        per_node.setdefault(id(node), (node, [None] * len(node.descs)))[1][k] = out
-    for node, outs_k in per_node.values():
-        publish(node, outs_k)
-    counters.bump("lazy_flushes")
-    record = FlushRecord(reason, len(order), len(roots), entry.kernels, hit, None if hit else entry.graph,
-                         1e3 * (time.perf_counter() - t0), tuple(n.func for n in order), len(roots) - n_requested)
-    ctx._log_flush(record)
-    return views
+            fixes.append((i, "dtype"))
+        elif out.stride() != stride and out.numel() > 1:
+            fixes.append((i, "layout"))
+    entry.fixes = tuple(fixes)
+    entry.checked = True
 
 
 def _aliasing_outputs(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> tuple[int, ...]:
@@ -478,48 +467,3 @@ def _aliasing_outputs(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> t
 
 def _copy_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-
-
-def _compile(order: list[LazyNode], codes: list[list], outs: tuple, leaves: list[torch.Tensor],
-             ctx: "LazyContext") -> Compiled:
-    """Trace the replay of `order` into an aten graph and compile it with torchfuse."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ..frontend.decompositions import decomposition_table
-    from ..runtime.compiled_graph import compile_graph
-
-    # The replay holds only the ops and their constant arguments (no tensors), so the cached
-    # entry built from it keeps no leaf alive.
-    steps = [(n.func, n.targs, n.tkwargs, n.container, c) for n, c in zip(order, codes)]
-
-    def replay(*leaf_vals: torch.Tensor) -> tuple:
-        env: list[list] = []
-        for func, targs, tkwargs, container, refs in steps:
-            tensors = [env[r[0]][r[1]] if type(r) is tuple else leaf_vals[r] for r in refs]
-            out = func(*fill(targs, tensors), **fill(tkwargs, tensors))
-            env.append([out] if container is None else list(out))
-        return tuple(env[i][k] for i, k in outs)
-
-    report = Explanation()
-    try:
-        with torch.no_grad():
-            gm = make_fx(replay, decomposition_table=decomposition_table(), tracing_mode="fake")(*leaves)
-        call = compile_graph(gm, ctx.config, inference=True, kind="lazy", report=report)
-    except Exception as e:
-        if ctx.config.strict:
-            raise
-        # Tracing failed (a decomposition or meta function we do not handle): run the ops
-        # eagerly, so the block still computes the right values, and say so once per graph.
-        warnings.warn(f"torchfuse.lazy: a pending graph of {len(order)} op(s) runs eagerly: "
-                      f"{type(e).__name__}: {e}")
-        counters.bump("eager_fallbacks")
-
-        def call(args: list) -> tuple:
-            vals = list(args)
-            args.clear()
-            return replay(*vals)
-        return Compiled(call, 0, "eager")
-    name = report.graphs[0].split(":")[0].lstrip("# ") if report.graphs else "graph"
-    ctx._log_compile(report)
-    log.debug("lazy: compiled %s with %d op(s), %d kernel(s)", name, len(order), len(report.kernels))
-    return Compiled(call, len(report.kernels), name)

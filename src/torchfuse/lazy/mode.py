@@ -19,6 +19,7 @@ no-grad parts of a program are fused.  Random ops run eagerly (same random strea
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class OpInfo:
     alias_returns: tuple[tuple[int, int, str], ...]  # (return index, arg position, arg name)
     functional: Any                               # out-of-place op of an in-place self-op
     device_arg: bool                              # has a `device=` argument (factories)
+    op: Any = None                                # the OpOverload (kept alive: keys use its id)
+    free_on_real: bool = False                    # on a real tensor: run it, nothing to record
+    deferred_fallback: bool = False               # not lowered, but recorded (see _DEFERRED)
 
 
 # Ops with a lowering that must still run eagerly.
@@ -76,14 +80,53 @@ _NEVER_DEFER = {
     "aten::lift_fresh_copy",
 }
 
-_INFO: dict[Any, OpInfo] = {}
+# Keyed by id(func): OpOverload.__hash__ is a Python method (~0.3 us); ops live forever (and
+# each OpInfo holds its op), so ids are never reused.
+_INFO: dict[int, OpInfo] = {}
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _INFO.get(func)
+    info = _INFO.get(id(func))
     if info is None:
-        info = _INFO[func] = _make_info(func)
+        info = _make_info(func)
+        info.op = func
+        # Views of real tensors cost nothing eagerly and keep later graphs smaller; so does
+        # `_unsafe_view` (a reshape of a temporary: HF's `logits.view(...)`), which recorded
+        # would become a graph output aliasing its input and be copied on every flush.
+        info.free_on_real = info.is_view or str(func) == "aten._unsafe_view.default"
+        info.deferred_fallback = not info.fusible and _deferrable(func)
+        _INFO[id(func)] = info
     return info
+
+
+# Ops torchfuse does not lower but records anyway (unless `lazy(defer_matmuls=False)`): they run
+# through ATen inside the compiled graph, exactly as in a torch.compile graph.  Recording them
+# means a matmul no longer forces the pending values it reads, so the pointwise work before and
+# after it -- a transformer layer's layer norm, bias, GELU, residual -- lands in one graph and
+# a whole forward pass is typically a single flush instead of one per matmul.
+_DEFERRED = {
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::dot",
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::convolution", "aten::cumsum",
+}
+
+
+def _deferrable(func: Any) -> bool:
+    if not isinstance(func, torch._ops.OpOverload):
+        return False
+    schema = func._schema
+    if schema.name not in _DEFERRED or schema.is_mutable:
+        return False
+    # Attention ops are tagged random for their dropout; `_make_plan` records them only with
+    # dropout_p == 0 (inference).
+    return torch.Tag.nondeterministic_seeded not in func.tags or _dropout_pos(func) is not None
+
+
+def _dropout_pos(func: Any) -> int | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            return i
+    return None
 
 
 def _fusible_target(func: Any) -> bool:
@@ -129,11 +172,11 @@ def _make_info(func: Any) -> OpInfo:
 # --------------------------------------------------------------------------------------------
 
 def dispatch(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict) -> Any:
-    info = _INFO.get(func) or op_info(func)
+    info = _INFO.get(id(func)) or op_info(func)
     why = None
-    if info.is_view and type(args[0]) is not LazyTensor:
+    if info.free_on_real and type(args[0]) is not LazyTensor:
         return func(*args, **kwargs)        # a view of a real tensor: free, nothing to record
-    if info.fusible:
+    if info.fusible or (info.deferred_fallback and ctx.defer_matmuls):
         if ctx.forced_fallbacks and str(func) in ctx.forced_fallbacks:
             why = "in options['fallback_ops']"
         else:
@@ -153,69 +196,208 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
     if node is None:
         return None, why
     _commit(ctx, node)
+    if node.container is None:
+        # The common case, inlined (this runs for every recorded op).
+        size, stride, offset, dtype = node.descs[0]
+        w = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
+                          device=node.device, requires_grad=False)
+        w._lz_node = node
+        w._lz_idx = 0
+        w._lz_real = None
+        ref = weakref.ref(w)
+        node.wrappers[0] = ref
+        live = ctx.live
+        live.append(ref)
+        if len(live) > 4 * ctx.max_nodes:
+            ctx.pending_values()          # prune dead and computed entries
+        return w, None
     outs = [new_wrapper(d, node.device, node, k) for k, d in enumerate(node.descs)]
     ctx._track(node.wrappers)
-    if node.container is None:
-        return outs[0], None
     return node.container(outs), None
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+# Recording plans: everything `_make_node` learns about an op from its non-tensor arguments and
+# the metadata of its tensor arguments (argument template, output layouts, or why it cannot be
+# recorded), keyed by (op, scalars, tensor metadata).  A loop that records the same op on the
+# same layouts again (every step, every layer) does one dict lookup instead of re-scanning the
+# arguments and running the meta kernel.
+@dataclass
+class Plan:
+    targs: tuple
+    tkwargs: dict
+    skey: tuple
+    descs: list
+    dids: tuple            # interned ids of the output layouts (keys of later plans)
+    container: Any
+    device: torch.device
+
+
+_PLANS: dict[tuple, "Plan | str"] = {}
+_PLANS_MAX = 1 << 16
+_DIDS: dict[tuple, str] = {}
+_did_counter = itertools.count()
+
+
+def _did(desc: tuple, device: torch.device) -> str:
+    """A small interned key for an output layout, used in place of a pending input's metadata in
+    plan keys.  Strings from a counter that is never reset: after `_DIDS` is cleared an old id
+    can only miss, never stand for another layout; the \x01 prefix keeps them apart from
+    every scalar key."""
+    k = (desc, device)
+    d = _DIDS.get(k)
+    if d is None:
+        if len(_DIDS) >= _PLANS_MAX:
+            _DIDS.clear()
+        d = _DIDS[k] = f"\x01{next(_did_counter)}"
+    return d
+
+
+def clear_plans() -> None:
+    _PLANS.clear()
+    _DIDS.clear()
+
+
+_SCALAR_TYPES = (bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _key_of(a: Any, key: list, tensors: list, grad: bool) -> None:
+    """Append `a`'s part of a plan key (and its tensors).  Raises Unrecordable for arguments
+    that are never recordable (checked before any cache: they depend on the tensor's state)."""
+    t = type(a)
+    if t is LazyTensor:
+        if grad and a.requires_grad:
+            raise Unrecordable("needs autograd")
+        tensors.append(a)
+        if a._lz_real is None:
+            key.append(a._lz_node.dids[a._lz_idx])
+            return
+        a = a._lz_real
+    elif t is float:
+        key.append(repr(a))          # by repr: -0.0 != 0.0, nan == nan, 2.0 != 2
+        return
+    elif t is int:
+        key.append(a)
+        return
+    elif t is torch.Tensor or t is torch.nn.Parameter:
+        if grad and a.requires_grad:
+            raise Unrecordable("needs autograd")
+        tensors.append(a)
+    elif t is list or t is tuple:
+        key.append((t is list, len(a)))
+        for x in a:
+            _key_of(x, key, tensors, grad)
+        return
+    elif t in _SCALAR_TYPES:
+        key.append((t, a))
+        return
+    elif isinstance(a, torch.Tensor):
+        raise Unrecordable(f"tensor subclass {t.__name__}")
+    else:
+        raise Unrecordable(f"argument of type {t.__name__}")
+    if a.layout is not torch.strided:
+        raise Unrecordable("not strided")
+    key.append((a.dtype, a.size(), a.stride(), a.storage_offset(), a.device))
 
 
 def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
                ) -> tuple[LazyNode | None, str | None]:
     """A node for `func(*args, **kwargs)`, or (None, why not)."""
-    tensors: list = []
-    try:
-        targs, tkwargs, skel = scan(args, kwargs, tensors)
-    except Unrecordable as e:
-        return None, str(e)
-    device = None
-    pending = False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        tp = type(t)
-        if tp is LazyTensor:
-            if t._lz_real is None:
-                pending = True
-        elif tp is not torch.Tensor and tp is not torch.nn.Parameter:
-            return None, f"tensor subclass {tp.__name__}"
-        elif t.layout is not torch.strided:
-            return None, "not strided"
-        if grad and t.requires_grad:
-            return None, "needs autograd"
-        d = t.device
-        if device is None:
-            device = d
-        elif d != device:
-            return None, "mixed devices"
-    if device is None:                       # a factory: torch.zeros(...), torch.arange(...)
-        dev = kwargs.get("device")
-        device = torch.device(dev) if dev is not None else torch.get_default_device()
-        if device.type != "cpu":
-            return None, "factory on a non-CPU device"
-    elif device.type not in ("cpu", "cuda"):
-        return None, f"device {device.type}"
-    elif info.device_arg and kwargs.get("device") is not None and torch.device(kwargs["device"]) != device:
-        return None, "changes device"
-    if info.is_view and not pending:
-        return None, "view of a real tensor"
-    if kwargs.get("pin_memory"):
-        return None, "pin_memory"
     if torch._C._current_graph_task_id() != -1:
         return None, "inside backward"
+    grad = torch.is_grad_enabled()
+    tensors: list = []
+    key: list = [id(func)]        # id: see _INFO; `dispatch` made an OpInfo that holds func
     try:
-        descs, container = output_descs(func, targs, tkwargs, skel, tensors, info.device_arg)
+        for a in args:
+            # pending tensors and numbers inline (the common arguments), the rest in _key_of
+            t = type(a)
+            if t is LazyTensor and a._lz_real is None:
+                if grad and a.requires_grad:
+                    return None, "needs autograd"
+                tensors.append(a)
+                key.append(a._lz_node.dids[a._lz_idx])
+            elif t is float:
+                key.append(repr(a))          # by repr: -0.0 != 0.0, nan == nan, 2.0 != 2
+            elif t is int:
+                key.append(a)
+            else:
+                _key_of(a, key, tensors, grad)
+        if kwargs:
+            for name, a in kwargs.items():
+                key.append(name)
+                _key_of(a, key, tensors, grad)
     except Unrecordable as e:
         return None, str(e)
+    if not tensors:
+        key.append(torch.get_default_device())      # where a factory without device= allocates
+    k = tuple(key)
+    plan = _PLANS.get(k)
+    if plan is None:
+        plan = _make_plan(func, info, args, kwargs)
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[k] = plan
+    if type(plan) is str:
+        return None, plan
     inputs = [_ref(t) for t in tensors]
-    node = LazyNode(func, targs, tkwargs, inputs, (func, skel), descs, container, device, info.is_view)
+    node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
+                    plan.device, info.is_view, plan.dids)
     if ctx.recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
         # Bound compile time and the size of one graph: compute everything that is pending
         # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
         # values still pending after it; `depth` catches one long chain).
         ctx.flush_all("size limit")
         inputs = [_ref(t) for t in tensors]
-        node = LazyNode(func, targs, tkwargs, inputs, (func, skel), descs, container, device, info.is_view)
+        node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
+                        plan.device, info.is_view, plan.dids)
     return node, None
+
+
+def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | str":
+    """The slow path of `_make_node`, once per plan key: everything that depends only on the key
+    (argument structure, scalars, tensor layouts, dtypes and devices)."""
+    tensors: list = []
+    try:
+        targs, tkwargs, skel = scan(args, kwargs, tensors)
+    except Unrecordable as e:
+        return str(e)
+    device = None
+    pending = False
+    for t in tensors:
+        if type(t) is LazyTensor and t._lz_real is None:
+            pending = True
+        d = t.device
+        if device is None:
+            device = d
+        elif d != device:
+            return "mixed devices"
+    if device is None:                       # a factory: torch.zeros(...), torch.arange(...)
+        dev = kwargs.get("device")
+        device = torch.device(dev) if dev is not None else torch.get_default_device()
+        if device.type != "cpu":
+            return "factory on a non-CPU device"
+    elif device.type not in ("cpu", "cuda"):
+        return f"device {device.type}"
+    elif info.device_arg and kwargs.get("device") is not None and torch.device(kwargs["device"]) != device:
+        return "changes device"
+    if info.free_on_real and not pending:
+        return "view of a real tensor"
+    if info.deferred_fallback and torch.Tag.nondeterministic_seeded in func.tags:
+        pos = _dropout_pos(func)
+        p = args[pos] if pos is not None and pos < len(args) else kwargs.get("dropout_p", 0.0)
+        if p:
+            return "dropout"
+    if kwargs.get("pin_memory"):
+        return "pin_memory"
+    try:
+        descs, container = output_descs(func, targs, tkwargs, skel, tensors, info.device_arg)
+    except Unrecordable as e:
+        return str(e)
+    dids = tuple(_did(d, device) for d in descs)
+    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device)
 
 
 def _commit(ctx: "LazyContext", node: LazyNode) -> None:
@@ -309,7 +491,7 @@ def eager_call(func: Any, args: tuple, kwargs: dict, ctx: "LazyContext | None", 
     """Run `func` eagerly: compute pending inputs, protect pending readers of memory it writes,
     run it on real tensors, hand back in-place / out= results as the caller's own tensors."""
     from .context import current_context, open_contexts
-    info = _INFO.get(func) or op_info(func)
+    info = _INFO.get(id(func)) or op_info(func)
     if info.mutated:
         written: list = []
         for pos, arg_name in info.mutated:

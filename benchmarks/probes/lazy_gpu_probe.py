@@ -1,0 +1,281 @@
+"""GPU probe for torchfuse.lazy: where a lazy block's time goes on a CUDA device.
+
+    python benchmarks/probes/lazy_gpu_probe.py            # CUDA (about 1-3 minutes)
+    python benchmarks/probes/lazy_gpu_probe.py --device cpu --quick   # smoke test of the script
+
+Rows (each one independent: a failure prints its error and the probe goes on):
+  1. recording overhead per op on a tiny tensor (host only, nothing runs on the GPU);
+  2. per-flush host cost: a 6-op chain on a tiny tensor, split into record / flush time, and
+     host syncs seen during a flush (torch.cuda.set_sync_debug_mode);
+  3. the 6-op pointwise chain on 64M fp32 elements: eager vs lazy vs
+     torch.compile(backend="torchfuse"), steady state, with recompiles counted and the lazy
+     call's host-only (enqueue) time next to its GPU time;
+  4. GPT-2 small (12 layers, 768 wide, batch 1, seq 128, random weights, no_grad) eager vs
+     lazy (default: matmuls deferred into the graph) vs lazy(defer_matmuls=False), if
+     transformers is importable; flushes/ops/kernels per forward and first-call time.
+Prints a short table; with $OUT set writes lazy_gpu_probe.json (all numbers, errors, GPT-2's
+flush log) there.  Times are medians of interleaved repeats, synchronized.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+os.environ.setdefault("TORCHFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="torchfuse_lazy_probe_"))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
+import torchfuse  # noqa: E402
+from torchfuse import counters  # noqa: E402
+
+START = time.perf_counter()
+BUDGET_S = 170.0
+ROWS: list[tuple[str, str, str, str, str]] = []     # name, eager, lazy, compiled, note
+DETAILS: dict[str, Any] = {}
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fns: dict[str, Callable[[], object]], device: str, repeats: int, inner: int) -> dict[str, float]:
+    """Median seconds per call of each fn, measured round-robin."""
+    for fn in fns.values():
+        fn()
+        fn()
+    sync(device)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            sync(device)
+            samples[name].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def row(name: str, fn: Callable[[], None]) -> None:
+    left = BUDGET_S - (time.perf_counter() - START)
+    if left < 10:
+        ROWS.append((name, "-", "-", "-", "skipped: time budget"))
+        return
+    try:
+        fn()
+    except Exception as e:      # one row failing must not lose the others
+        ROWS.append((name, "-", "-", "-", f"ERROR {type(e).__name__}: {str(e)[:120]}"))
+        DETAILS[f"error: {name}"] = traceback.format_exc()
+
+
+def chain6(x: torch.Tensor) -> torch.Tensor:
+    return ((x * 1.25 + 0.5).relu() - 0.125).exp().sigmoid()
+
+
+# --------------------------------------------------------------------------------------------
+
+def per_op(device: str, quick: bool) -> None:
+    ops = {"add scalar": lambda a, b: a + 1.0, "mul tensor": lambda a, b: a * b, "relu": lambda a, b: a.relu(),
+           "sum(-1)": lambda a, b: a.sum(-1), "view": lambda a, b: a.view(-1)}
+    x, y = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+    n, reps = (100, 5) if quick else (200, 11)
+    out = {}
+    for name, op in ops.items():
+        eager, lazy = [], []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                op(x, y)
+            sync(device)
+            eager.append((time.perf_counter() - t0) / n)
+            with torchfuse.lazy(max_nodes=10 * n):
+                a, b = x + 0.0, y * 1.0
+                t0 = time.perf_counter()
+                outs = [op(a, b) for _ in range(n)]
+                lazy.append((time.perf_counter() - t0) / n)
+                del outs
+        e, lz = 1e6 * statistics.median(eager), 1e6 * statistics.median(lazy)
+        out[name] = {"eager_us": e, "lazy_record_us": lz}
+        ROWS.append((f"overhead/op: {name}", f"{e:.1f} us", f"{lz:.1f} us", "-", "recording only (host)"))
+    DETAILS["per_op"] = out
+
+
+def per_flush(device: str, quick: bool) -> None:
+    x = torch.randn(4, 8, device=device)
+    ctx = torchfuse.lazy()
+    for _ in range(3):
+        with ctx:
+            y = chain6(x)          # held: a dropped value is never computed
+    n = 200 if quick else 1000
+    rec, fl = [], []
+    before = dict(counters)
+    sync(device)
+    t_all = time.perf_counter()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        ctx.__enter__()
+        y = chain6(x)
+        t1 = time.perf_counter()
+        ctx.__exit__(None, None, None)
+        t2 = time.perf_counter()
+        rec.append(t1 - t0)
+        fl.append(t2 - t1)
+    sync(device)
+    total = (time.perf_counter() - t_all) / n    # mean, GPU included
+    d = {k: counters[k] - before.get(k, 0) for k in counters if counters[k] != before.get(k, 0)}
+    syncs = None
+    if device == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with ctx:
+                    y = chain6(x)
+                y = None
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message).lower()]
+    r, f = 1e6 * statistics.median(rec), 1e6 * statistics.median(fl)
+    eager = timeit({"eager": lambda: chain6(x)}, device, 5, 50)["eager"]
+    DETAILS["per_flush"] = {"record_6_ops_us": r, "flush_us": f, "block_total_us": 1e6 * total,
+                            "eager_chain_us": 1e6 * eager, "counters": d, "host_syncs_in_flush": syncs}
+    ROWS.append(("per-flush host cost (6-op chain, 4x8)", f"{1e6 * eager:.1f} us", f"{1e6 * total:.1f} us", "-",
+                 f"record {r:.1f} us + flush {f:.1f} us; {len(syncs) if syncs is not None else '-'} host syncs; "
+                 f"{d.get('lazy_compiles', 0)} compiles, {d.get('lazy_cache_hits', 0)} hits"))
+
+
+def big_chain(device: str, quick: bool) -> None:
+    numel = (1 << 20) if quick or device != "cuda" else 64 * (1 << 20)
+    x = torch.randn(numel, device=device)
+    lazy_chain = torchfuse.lazy(chain6)
+    compiled = torchfuse.compile(chain6)
+    torch.testing.assert_close(lazy_chain(x), chain6(x))
+    torch.testing.assert_close(compiled(x), chain6(x))
+    before = dict(counters)
+    reps = 5 if quick else 15
+    t = timeit({"eager": lambda: chain6(x), "lazy": lambda: lazy_chain(x),
+                "compiled": lambda: compiled(x)}, device, reps, inner=5)
+    d = {k: counters[k] - before.get(k, 0) for k in counters if counters[k] != before.get(k, 0)}
+    # host-only time of a lazy call (enqueue: record + flush + launch), the GPU still running
+    sync(device)
+    host = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        lazy_chain(x)
+        host.append(time.perf_counter() - t0)
+        sync(device)
+    host_ms = 1e3 * statistics.median(host)
+    gbps = {k: 2 * 4 * numel / v / 1e9 for k, v in t.items()}
+    DETAILS["chain"] = {"numel": numel, "ms": {k: 1e3 * v for k, v in t.items()}, "GB/s_min_traffic": gbps,
+                        "lazy_host_only_ms": host_ms, "counters_during_timing": d,
+                        "flushes": [str(f) for f in lazy_chain.lazy_context.flushes[-3:]]}
+    ROWS.append((f"6-op chain, {numel:,} fp32", f"{1e3 * t['eager']:.3f} ms", f"{1e3 * t['lazy']:.3f} ms",
+                 f"{1e3 * t['compiled']:.3f} ms",
+                 f"lazy {t['eager'] / t['lazy']:.2f}x eager, compile {t['eager'] / t['compiled']:.2f}x; lazy host-only "
+                 f"{host_ms:.3f} ms; recompiles in timing: {d.get('lazy_compiles', 0)}"))
+
+
+def gpt2(device: str, quick: bool) -> None:
+    try:
+        import transformers
+    except ImportError:
+        ROWS.append(("GPT-2 small", "-", "-", "-", "transformers not importable"))
+        return
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if quick:
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=2048, n_positions=128)
+        seq = 64
+    else:
+        cfg = transformers.GPT2Config()          # GPT-2 small: 12 layers, 768, 12 heads, 50257
+        seq = 128
+    model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), device=device)
+
+    def eager() -> torch.Tensor:
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+
+    def lazy_fn(defer: bool) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with torch.no_grad(), torchfuse.lazy(defer_matmuls=defer):
+                out = model(ids, use_cache=False).logits
+            return out
+        return run
+
+    ref = eager()
+    first = {}
+    for name, defer in (("lazy", True), ("lazy_eager_matmuls", False)):
+        sync(device)
+        t0 = time.perf_counter()
+        got = lazy_fn(defer)()
+        sync(device)
+        first[name] = time.perf_counter() - t0
+        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+    profile = {}
+    for name, defer in (("lazy", True), ("lazy_eager_matmuls", False)):
+        with torch.no_grad(), torchfuse.lazy(defer_matmuls=defer) as ctx:
+            out = model(ids, use_cache=False).logits       # held: dropped values are not computed
+        sync(device)
+        del out
+        profile[name] = {"flushes": len(ctx.flushes), "ops": sum(f.ops for f in ctx.flushes),
+                         "kernel_launches": ctx.kernels, "cache_hits": sum(f.cache_hit for f in ctx.flushes),
+                         "explain": ctx.explain()[:20000]}
+    reps = 5 if quick else 10
+    t = timeit({"eager": eager, "lazy": lazy_fn(True), "lazy_eager_matmuls": lazy_fn(False)}, device, reps, inner=2)
+    DETAILS["gpt2"] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first, "profile": profile,
+                       "shape": f"n_layer={cfg.n_layer} n_embd={cfg.n_embd} vocab={cfg.vocab_size} batch=1 seq={seq}"}
+    p, q = profile["lazy"], profile["lazy_eager_matmuls"]
+    ROWS.append((f"GPT-2 ({cfg.n_layer}L, {cfg.n_embd}, seq {seq}) lazy", f"{1e3 * t['eager']:.2f} ms",
+                 f"{1e3 * t['lazy']:.2f} ms", "-",
+                 f"{t['eager'] / t['lazy']:.2f}x eager (overhead {100 * (t['lazy'] / t['eager'] - 1):+.0f}%, anchor "
+                 f"+38%); {p['flushes']} flushes, {p['ops']} ops, {p['kernel_launches']} kernels; first call "
+                 f"{first['lazy']:.1f} s"))
+    ROWS.append(("GPT-2 lazy(defer_matmuls=False)", f"{1e3 * t['eager']:.2f} ms",
+                 f"{1e3 * t['lazy_eager_matmuls']:.2f} ms", "-",
+                 f"{t['eager'] / t['lazy_eager_matmuls']:.2f}x eager; {q['flushes']} flushes, {q['ops']} ops"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; use --device cpu for a smoke test")
+        return
+    warnings.filterwarnings("ignore")
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, device {name}")
+    row("per-op", lambda: per_op(device, args.quick))
+    row("per-flush", lambda: per_flush(device, args.quick))
+    row("6-op chain", lambda: big_chain(device, args.quick))
+    row("GPT-2", lambda: gpt2(device, args.quick))
+    print("\n| benchmark | eager | lazy | torch.compile(torchfuse) | note |\n|---|---|---|---|---|")
+    for r in ROWS:
+        print("| " + " | ".join(r) + " |")
+    print(f"\n({time.perf_counter() - START:.0f} s)")
+    out = os.environ.get("OUT")
+    if out:
+        DETAILS["rows"] = ROWS
+        DETAILS["device"] = name
+        with open(os.path.join(out, "lazy_gpu_probe.json"), "w") as f:
+            json.dump(DETAILS, f, indent=1, default=str)
+        print(f"details: {os.path.join(out, 'lazy_gpu_probe.json')}")
+
+
+if __name__ == "__main__":
+    main()
