@@ -73,3 +73,19 @@ def test_pad_mm_keeps_a_transposed_weight_transposed():
     b = mm.args[1].meta["val"]
     assert tuple(b.shape) == (256, 1024) and b.stride() == (1, 256)
     assert_same(gm(a, w), a @ w.t(), exact=False, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("case", ["linear_3d", "merge_sliced_dim", "layer_norm_then_linear"])
+def test_pad_mm_views_of_the_padded_product(tf, case):
+    """The product is a column slice of a wider buffer after padding: views downstream must take
+    that layout (F.linear on 3-D input views the product back to 3-D), or read a contiguous copy
+    when they cannot (a view merging the sliced dim)."""
+    x, w = tf.rand((2, 64, 96)), tf.rand((4099, 96))
+    fns = {
+        "linear_3d": lambda x, w: torch.nn.functional.linear(x, w),
+        "merge_sliced_dim": lambda x, w: (x.view(128, 96) @ w.t()).view(-1) * 2,
+        "layer_norm_then_linear": lambda x, w: torch.nn.functional.linear(torch.nn.functional.layer_norm(x, (96,)), w),
+    }
+    e = tf.check(fns[case], x, w, options={"cublas_devices": ("cpu",)}, allow_fallbacks=("aten.mm.default",),
+                 min_kernels=1, atol=1e-3, rtol=1e-3)
+    assert any("pad_mm" in p and "(0 changes)" not in p for p in e.passes), e.passes

@@ -106,7 +106,42 @@ def _rewrite(graph: fx.Graph, mm: fx.Node, ctx: PassContext) -> bool:
             result = create_node(graph, aten.slice.Tensor, (padded, out.ndim - 1, 0, n), meta_from=mm)
     mm.replace_all_uses_with(result)
     graph.erase_node(mm)
+    if pad_n and not _refresh_views(result):
+        # a view that cannot take the sliced (row-padded) layout, e.g. one merging the sliced dim
+        # with its neighbour: hand the views a contiguous copy (rare: projections are usually
+        # only split along rows)
+        with graph.inserting_after(result):
+            contiguous = create_node(graph, aten.clone.default, (result,),
+                                     {"memory_format": torch.contiguous_format}, meta_from=mm)
+        result.replace_all_uses_with(contiguous, delete_user_cb=lambda user: user is not contiguous)
+        _refresh_views(contiguous)
     log.debug("pad_mm: %s %s x %s padded K+%d N+%d", mm.name, list(va.shape), list(vb.shape), pad_k, pad_n)
+    return True
+
+
+def _is_view(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and (t.is_view or t is aten._unsafe_view.default)
+
+
+def _refresh_views(node: fx.Node) -> bool:
+    """Recompute meta["val"] of the views reading `node` (and views of those): the lowering takes
+    a view's strides from it, and the rewrite changed the layout underneath.  False if one of
+    them cannot view the new layout."""
+    from ._meta import fake_mode_of, _fake_arg
+    mode = fake_mode_of(node.graph)
+    for user in list(node.users):
+        if user.op != "call_function" or not _is_view(user):
+            continue
+        args, kwargs = fx.node.map_arg((user.args, user.kwargs), lambda n: _fake_arg(n, mode))
+        try:
+            with mode:
+                val = user.target(*args, **kwargs)
+        except Exception:
+            return False
+        user.meta["val"] = val
+        if not _refresh_views(user):
+            return False
     return True
 
 
