@@ -183,9 +183,6 @@ def test_mlp_block_forward_backward(tf):
                   allow_fallbacks={"aten.addmm.default", "aten.mm.default"})
 
 
-@pytest.mark.xfail(strict=True, reason="fusion.py _role compares iteration spaces literally: the softmax output "
-                   "reshaped for the second bmm ([8, 16, 16]) cannot join the softmax reduction kernel over "
-                   "[2, 4, 16] x [16], so attention's softmax takes 2 kernels")
 def test_attention_softmax_is_one_kernel(tf):
     q, k, v = tf.rand((2, 4, 16, 8)), tf.rand((2, 4, 16, 8)), tf.rand((2, 4, 16, 8))
     tf.check(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5, -1) @ v, q, k, v, kernels=1,

@@ -11,6 +11,10 @@ Here, realized buffers that share a loop structure join one kernel:
 
 A member may read another member of its kernel only at the same outer point (and, inside one
 loop, the same inner point), so every kernel is a correct parallel loop over `outer`.
+
+A buffer whose loops are a reshape of the kernel's (attention's [B*H, S, S] scores around a
+softmax over [B, H, S] x [S]) still joins it: the kernel is re-tiled over the common refinement
+of both shapes and every member's index vars are rewritten into its loop vars (tiling.py).
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..ir.buffers import AliasView, BufferRef, ComputedBuffer, FallbackCall, LoweredGraph
-from ..ir.nodes import Node, const, loads, substitute, to_text, var
+from ..ir.nodes import Node, const, loads, to_text, var
+from .tiling import dim_exprs, kernel_ranges, refine, rewrite
 
 log = logging.getLogger("torchfuse.fusion")
 
@@ -82,61 +87,99 @@ def squeeze(sizes: tuple[Node, ...]) -> tuple[Node, ...]:
     return tuple(s for s in sizes if not (s.op == "const" and s.arg == 1))
 
 
-def _rename(buf: ComputedBuffer, outer_len: int, role: str) -> tuple[Node, Node]:
-    """Rewrite a buffer's vars (i*, r*) into kernel vars (x* outer, y* inner); size-1 dims -> 0."""
-    mapping: dict[Node, Node] = {}
-    pos = 0
-    for k, size in enumerate(buf.ranges):
-        if size.op == "const" and size.arg == 1:
-            mapping[var(f"i{k}")] = const(0)
-            continue
-        mapping[var(f"i{k}")] = var(f"x{pos}") if pos < outer_len else var(f"y{pos - outer_len}")
-        pos += 1
-    pos = 0
-    for k, size in enumerate(buf.reduction_ranges):
-        if size.op == "const" and size.arg == 1:
-            mapping[var(f"r{k}")] = const(0)
-            continue
-        mapping[var(f"r{k}")] = var(f"y{pos}")
-        pos += 1
-    return substitute(buf.body, mapping), substitute(buf.store_index(), mapping)
+def _buffer_vars(buf: ComputedBuffer) -> tuple[list[Node], dict[Node, Node]]:
+    """The vars of `buf`'s dims that are not size 1 (rows, then reduced), and 0 for the others,
+    which never change an index."""
+    used: list[Node] = []
+    zeros: dict[Node, Node] = {}
+    for prefix, sizes in (("i", buf.ranges), ("r", buf.reduction_ranges)):
+        for k, size in enumerate(sizes):
+            if size.op == "const" and size.arg == 1:
+                zeros[var(f"{prefix}{k}")] = const(0)
+            else:
+                used.append(var(f"{prefix}{k}"))
+    return used, zeros
 
 
-def _role(kernel: Kernel, buf: ComputedBuffer) -> tuple[str | None, str]:
-    """How `buf` would sit in `kernel`'s loops, or None and the reason it cannot."""
+@dataclass
+class _Fit:
+    """Where a buffer goes in a kernel: its role, the kernel's loops afterwards (a refinement of
+    the old ones when the buffer's space is a reshape of them) and the substitutions that put the
+    old members and the buffer into those loops."""
+    role: str
+    outer: tuple[Node, ...]
+    inner: tuple[Node, ...]
+    kernel_map: dict[Node, Node]     # the kernel's old x*/y* -> new kernel vars ({} if unchanged)
+    buf_map: dict[Node, Node]        # the buffer's i*/r* -> kernel vars
+
+
+def _fit(role: str, kernel_dims: tuple[Node, ...], kernel_outer: int, buf: ComputedBuffer,
+         buf_dims: tuple[Node, ...], nb_of: str, extra_inner: tuple[Node, ...] = ()) -> _Fit | None:
+    """Refine the kernel's dims (x*, then y* from `kernel_outer` on) against the buffer's dims;
+    the new inner loops start where `nb_of` ("kernel", "buffer", "all") puts the rows|reduced
+    boundary.  `extra_inner` are kernel inner dims the buffer does not span (an "outer" member),
+    kept as they are.  None when the spaces are not reshapes of each other, or their row
+    boundaries fall at different refined dims (a row of one would be several rows of the other)."""
+    ref = refine(kernel_dims, buf_dims)
+    if ref is None:
+        return None
+    rows = sum(1 for s in buf.ranges if not (s.op == "const" and s.arg == 1))
+    kb, bb = ref.boundary(ref.a, kernel_outer), ref.boundary(ref.b, rows)
+    nb = {"kernel": kb, "buffer": bb, "all": len(ref.sizes)}[nb_of]
+    if buf.is_reduction and nb != bb:
+        return None
+    sizes = ref.sizes + extra_inner
+    old = [var(f"x{k}") for k in range(kernel_outer)] + \
+          [var(f"y{k}") for k in range(len(kernel_dims) - kernel_outer + len(extra_inner))]
+    new = dim_exprs(ref.sizes, ref.a, nb) + [var(f"y{len(ref.sizes) - nb + j}") for j in range(len(extra_inner))]
+    kernel_map = {o: e for o, e in zip(old, new) if o != e}
+    used, buf_map = _buffer_vars(buf)
+    buf_map.update(zip(used, dim_exprs(ref.sizes, ref.b, nb)))
+    return _Fit(role, sizes[:nb], sizes[nb:], kernel_map, buf_map)
+
+
+def _role(kernel: Kernel, buf: ComputedBuffer) -> _Fit | str:
+    """How `buf` would sit in `kernel`'s loops, or the reason it cannot.  Loops match when they
+    are equal or reshapes of each other (tiling.py); the kernel is then re-tiled over both."""
+    rows, red = squeeze(buf.ranges), squeeze(buf.reduction_ranges)
+    n = len(kernel.outer)
     if buf.is_reduction:
         if kernel.inner == () and kernel.kind == "pointwise":
-            if kernel.outer == squeeze(buf.ranges + buf.reduction_ranges):
-                return "reduce", ""     # the pointwise kernel becomes this reduction's prologue
-            return None, f"reduction over [{_fmt(buf.reduction_ranges)}] of [{_fmt(buf.ranges)}] " \
-                         f"does not tile pointwise loops [{_fmt(kernel.outer)}]"
-        if squeeze(buf.ranges) == kernel.outer and squeeze(buf.reduction_ranges) == kernel.inner:
-            return "reduce", ""
-        return None, f"reduction loops [{_fmt(buf.ranges)}]x[{_fmt(buf.reduction_ranges)}] differ from " \
-                     f"[{_fmt(kernel.outer)}]x[{_fmt(kernel.inner)}]"
+            # the pointwise kernel becomes this reduction's prologue, re-tiled as rows x reduced
+            fit = _fit("reduce", kernel.outer, n, buf, rows + red, "buffer")
+            return fit or f"reduction over [{_fmt(buf.reduction_ranges)}] of [{_fmt(buf.ranges)}] " \
+                          f"does not tile pointwise loops [{_fmt(kernel.outer)}], even as a reshape"
+        fit = _fit("reduce", kernel.outer + kernel.inner, n, buf, rows + red, "kernel")
+        return fit or f"reduction loops [{_fmt(buf.ranges)}]x[{_fmt(buf.reduction_ranges)}] differ from " \
+                      f"[{_fmt(kernel.outer)}]x[{_fmt(kernel.inner)}], even as a reshape with the same rows"
     if kernel.inner == ():
-        if squeeze(buf.ranges) == kernel.outer:
-            return "pointwise", ""
-        return None, f"iteration space [{_fmt(buf.ranges)}] differs from [{_fmt(kernel.outer)}]"
-    if squeeze(buf.ranges) == kernel.outer + kernel.inner:
-        return "inner", ""
-    if squeeze(buf.ranges) == kernel.outer:
-        return "outer", ""
-    return None, f"iteration space [{_fmt(buf.ranges)}] matches neither rows [{_fmt(kernel.outer)}] nor " \
-                 f"rows x reduced [{_fmt(kernel.outer + kernel.inner)}]"
+        fit = _fit("pointwise", kernel.outer, n, buf, rows, "all")
+        return fit or f"iteration space [{_fmt(buf.ranges)}] differs from [{_fmt(kernel.outer)}], even as a reshape"
+    fit = _fit("inner", kernel.outer + kernel.inner, n, buf, rows, "kernel") or \
+        _fit("outer", kernel.outer, n, buf, rows, "all", kernel.inner)
+    return fit or f"iteration space [{_fmt(buf.ranges)}] matches neither rows [{_fmt(kernel.outer)}] nor " \
+                  f"rows x reduced [{_fmt(kernel.outer + kernel.inner)}], even as a reshape"
 
 
 def _fmt(sizes: tuple[Node, ...]) -> str:
     return ", ".join(map(to_text, sizes))
 
 
-def _as_reduction_kernel(kernel: Kernel, buf: ComputedBuffer) -> Kernel:
-    """Re-tile a pointwise kernel over outer+inner so a reduction over `inner` can join it."""
-    new = Kernel(kernel.name, squeeze(buf.ranges), squeeze(buf.reduction_ranges))
-    for m in kernel.members:
-        body, store = _rename(m.buffer, len(new.outer), "inner")
-        new.members.append(Member(m.buffer, "inner", body, store))
-    return new
+def _place(kernel: Kernel, buf: ComputedBuffer, fit: _Fit) -> tuple[Kernel, Member]:
+    """The kernel re-tiled to `fit`'s loops (a new Kernel, so a refusal leaves the old one as it
+    was) and `buf` as a member of it."""
+    ranges = kernel_ranges(fit.outer + fit.inner, len(fit.outer))
+    new = kernel
+    if fit.kernel_map or (fit.outer, fit.inner) != (kernel.outer, kernel.inner):
+        new = Kernel(kernel.name, fit.outer, fit.inner, bindings=list(kernel.bindings))
+        # a pointwise kernel that becomes a reduction's prologue runs per element of each row
+        prologue = kernel.kind == "pointwise" and fit.role == "reduce" and fit.inner != ()
+        for m in kernel.members:
+            body, store = (rewrite(e, fit.kernel_map, ranges) for e in (m.body, m.store))
+            new.members.append(Member(m.buffer, "inner" if prologue else m.role, body, store))
+    member = Member(buf, fit.role, rewrite(buf.body, fit.buf_map, ranges),
+                    rewrite(buf.store_index(), fit.buf_map, ranges))
+    return new, member
 
 
 def _reads_ok(kernel: Kernel, member: Member) -> str:
@@ -173,13 +216,10 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
             items.append(step)
             continue
         if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
-            role, reason = _role(current, step)
-            candidate = current
-            if role == "reduce" and current.inner == () and not squeeze(step.ranges) == current.outer:
-                candidate = _as_reduction_kernel(current, step)
-            if role is not None:
-                body, store = _rename(step, len(candidate.outer), role)
-                member = Member(step, role, body, store)
+            fit = _role(current, step)
+            reason = fit if isinstance(fit, str) else ""
+            if not isinstance(fit, str):
+                candidate, member = _place(current, step, fit)
                 reason = _reads_ok(candidate, member)
                 if not reason:
                     candidate.members.append(member)
@@ -194,9 +234,10 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
         close()
         current = Kernel(f"kernel{count}", squeeze(step.ranges), squeeze(step.reduction_ranges))
         count += 1
-        role = "reduce" if step.is_reduction else "pointwise"
-        body, store = _rename(step, len(step.ranges), role)
-        current.members.append(Member(step, role, body, store))
+        _, member = _place(current, step, _fit("reduce" if step.is_reduction else "pointwise",
+                                               current.outer + current.inner, len(current.outer), step,
+                                               current.outer + current.inner, "kernel"))
+        current.members.append(member)
     close()
     return Schedule(items, refused)
 
