@@ -51,6 +51,14 @@ def models() -> dict:
     return out
 
 
+def _logits(out):
+    """The main output tensor of a model (HF outputs carry logits / last_hidden_state)."""
+    for key in ("logits", "last_hidden_state"):
+        if hasattr(out, key):
+            return getattr(out, key)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
 def profile(fn, args, iters: int) -> tuple[float, list[tuple[str, float, int]]]:
     from torch.profiler import ProfilerActivity, profile as prof
     for _ in range(3):
@@ -103,6 +111,7 @@ def main() -> None:
         model, args = make_model(), make_args()
         with torch.no_grad():
             res = {}
+            ref = _logits(model(*args))
             for label, wrap in (("eager", lambda m: m), ("inductor", lambda m: torch.compile(m)),
                                 ("torchfuse", lambda m: torch.compile(m, backend="torchfuse", options=opts))):
                 torch._dynamo.reset()
@@ -115,6 +124,9 @@ def main() -> None:
                     say(f"{name} {label}: {type(e).__name__}: {str(e)[:300]}")
                     continue
                 res[label] = ms
+                got = _logits(fn(*args))
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                say(f"  {name} {label}: relative error vs eager {err:.2e}" + ("  <-- WRONG" if err > 5e-2 else ""))
                 say(f"\n## {name} / {label}: {ms:.2f} ms wall, {total:.2f} ms GPU kernels, "
                     f"{sum(r[2] for r in rows)} launches/iter  {dict(torchfuse.counters) if label == 'torchfuse' else ''}")
                 for k, t, n in rows[:a.top]:
