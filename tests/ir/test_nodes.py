@@ -255,3 +255,21 @@ def test_random_affine_with_negative_coefficients(seed):
         ref = lambda v, op: (lambda val: val // d if op == "div" else val % d)(c0 + ci * v["i"] + cj * v["j"])  # noqa
         assert_equiv(floordiv(e, d, R(**sizes)), lambda v: ref(v, "div"), sizes)
         assert_equiv(mod(e, d, R(**sizes)), lambda v: ref(v, "mod"), sizes)
+
+
+def test_mixed_radix_index_bounded_by_symbolic_sizes():
+    """x0 + s1*x1 + s1*s2*x2 with x0 < s1, x1 < s2, x2 < s3 is below s1*s2*s3 (dynamic shapes):
+    `// (s1*s2*s3)` is 0 and `%` keeps it; with one range too large nothing is simplified."""
+    s1, s2, s3 = sym("s1"), sym("s2"), sym("s3")
+    x0, x1, x2 = var("x0"), var("x1"), var("x2")
+    idx = add(add(x0, mul(s1, x1)), mul(mul(s1, s2), x2))
+    total = mul(mul(s1, s2), s3)
+    ranges = {"x0": s1, "x1": s2, "x2": s3}
+    assert floordiv(idx, total, ranges) == const(0)
+    assert mod(idx, total, ranges) == idx
+    assert floordiv(idx, total, {**ranges, "x2": add(s3, 1)}).op == "floordiv"     # x2 may reach s3
+    assert floordiv(idx, total, {"x0": s1, "x1": s2}).op == "floordiv"              # x2 unbounded
+    m = mod(idx, total, ranges)
+    for v0, v1, v2 in itertools.product(range(3), range(5), range(4)):     # s1, s2, s3 = 3, 5, 4
+        env = {"s1": 3, "s2": 5, "s3": 4, "x0": v0, "x1": v1, "x2": v2}
+        assert c_eval(m, env) == (v0 + 3 * v1 + 15 * v2) % 60

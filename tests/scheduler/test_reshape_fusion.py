@@ -117,3 +117,21 @@ def test_refine():
     assert refine(c(4, 6), c(6, 4)) is None
     assert refine(c(4, 6), c(25)) is None
     assert refine(c(0, 3), c(3, 0)) is None
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_attention_softmax_one_kernel_with_dynamic_shapes(backend):
+    """With symbolic sizes the reshaped index is a mixed-radix sum of symbolic sizes; its bound
+    (nodes.upper_bound) proves the `//` and `%` of the view away, so the softmax stays one kernel
+    and one graph serves every sequence length."""
+    import torchfuse
+    from torchfuse import counters
+    if backend == "triton":
+        pytest.importorskip("triton")
+    before = counters["graphs_compiled"], counters["kernels_generated"]
+    cf = torchfuse.compile(attention, dynamic=True, options={"strict": True, **BACKENDS[backend]})
+    for seq in (33, 17, 40):
+        q, k, v = (torch.randn(2, 3, seq, 16) for _ in range(3))
+        mask = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        torch.testing.assert_close(cf(q, k, v, mask), attention(q, k, v, mask), atol=1e-4, rtol=1e-4)
+    assert (counters["graphs_compiled"] - before[0], counters["kernels_generated"] - before[1]) == (1, 1)

@@ -257,7 +257,35 @@ def upper_bound(n: Node, ranges: Mapping[str, Node] | None = None) -> Node | Non
         lo_hi = _int_interval(n, ranges)
         if lo_hi and lo_hi[0] >= 0:
             return const(lo_hi[1] + 1)
+        return _symbolic_sum_bound(n, ranges)
     return None
+
+
+def _symbolic_sum_bound(n: Node, ranges: Mapping[str, Node] | None) -> Node | None:
+    """1 + sum(coef * (size(var) - 1)) for a sum of positive `coef * sizes... * var` terms with
+    symbolic loop sizes: for a mixed-radix index (x0 + s1*x1 + s1*s2*x2) it simplifies to the
+    product of the sizes, which is what proves `idx // (s0*s1*s2)` is 0 under dynamic shapes."""
+    if not ranges:
+        return None
+    bound = const(1)
+    for key, coef in _terms(n).items():
+        if coef <= 0:
+            return None
+        loop_vars = [f for f in key if f.op == "var"]
+        if not key:
+            bound = bound + coef
+            continue
+        if len(loop_vars) != 1 or any(f.op not in ("var", "sym") for f in key):
+            return None
+        size = ranges.get(loop_vars[0].arg)
+        if size is None:
+            return None
+        scale = const(coef)
+        for f in key:
+            if f.op == "sym":
+                scale = scale * f
+        bound = bound + scale * (size - 1)
+    return bound
 
 
 def _int_interval(n: Node, ranges: Mapping[str, Node] | None) -> tuple[int, int] | None:
