@@ -41,10 +41,11 @@ def test_effect_token_input():
     _check(lambda x: (torch.linalg.inv(x),), x)
 
 
-@pytest.mark.xfail(raises=AssertionError, strict=False, reason=(
+@pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
     "PyTorch's fake tensor of aten._batch_norm_with_update_functional gives fp32 running stats for "
-    "fp16 ones, eager gives fp16; wrapper.py checks ATen fallback outputs' strides, not dtypes, so "
-    "the kernel that casts them reads fp16 data as fp32 and the running stats are garbage"))
+    "fp16/bf16 ones, eager gives fp16/bf16; runtime/wrapper.py WrapperBuilder._fallback checks ATen "
+    "fallback outputs' strides, not dtypes, so the kernel that casts them reads fp16 data as fp32 and "
+    "the running stats are garbage"))
 def test_fallback_output_dtype_differs_from_fake():
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 5, 3).half(), torch.randn(5).half(), torch.randn(5).half()

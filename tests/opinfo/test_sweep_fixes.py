@@ -40,3 +40,14 @@ def test_empty_repeat_reshape_roll(tf):
     tf.check(lambda x: x[0:0].neg().repeat(1, 2, 1), x, min_kernels=0)
     tf.check(lambda x: x[:, 0:0].neg().reshape(-1, 5), x, min_kernels=0)
     tf.check(lambda x: torch.roll(x[:, 0:0].neg(), 2), x, min_kernels=0)
+
+
+def test_signbit_of_bf16_builds(tf):
+    # OpInfo signbit (bfloat16): std::signbit of a float reinterpreted from bf16 bits crashed GCC 12's
+    # vectorizer (internal compiler error); codegen/cpp.py now emits tf_signbit (copysign + compare)
+    specials = [-0.0, 0.0, float("nan"), -float("nan"), -1.5, 2.0, float("inf"), -float("inf")]
+    for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        x = torch.tensor(specials * 4, dtype=dt)
+        tf.check(lambda x: torch.signbit(x), x, options={"parallel_threshold": 1})
+    tf.check(lambda x: torch.signbit(x), torch.arange(-5, 27))
+

@@ -63,6 +63,11 @@ static inline float tf_round_bf16(float f) { return tf_bf16_to_float(tf_float_to
 
 template <typename T> static inline T tf_max(T a, T b) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; if (b != b) return b; } return a > b ? a : b; }
 template <typename T> static inline T tf_min(T a, T b) { if constexpr (std::is_floating_point<T>::value) { if (a != a) return a; if (b != b) return b; } return a < b ? a : b; }
+// std::signbit on a float just reinterpreted from bf16 bits makes GCC 12's vectorizer crash (ICE in
+// extract_insn); copysign + compare gives the same bit (-0.0 and -NaN included) and vectorizes.
+template <typename T> static inline bool tf_signbit(T a) {
+  if constexpr (std::is_floating_point<T>::value) return std::copysign(T(1), a) < T(0); else return a < T(0);
+}
 template <typename T> static inline T tf_sign(T a) { return (T)((T(0) < a) - (a < T(0))); }   // sign(NaN) = 0, as eager
 template <typename T> static inline T tf_floordiv(T a, T b) {
   if constexpr (std::is_floating_point<T>::value) {
@@ -171,7 +176,7 @@ _FN = {
     "cosh": "std::cosh", "tanh": "std::tanh", "asinh": "std::asinh", "acosh": "std::acosh", "atanh": "std::atanh",
     "erf": "std::erf", "erfc": "std::erfc", "lgamma": "std::lgamma", "ceil": "std::ceil", "floor": "std::floor",
     "round": "std::nearbyint", "trunc": "std::trunc", "isnan": "std::isnan", "isinf": "std::isinf",
-    "isfinite": "std::isfinite", "signbit": "std::signbit", "sigmoid": "tf_sigmoid", "sign": "tf_sign",
+    "isfinite": "std::isfinite", "signbit": "tf_signbit", "sigmoid": "tf_sigmoid", "sign": "tf_sign",
     "atan2": "std::atan2", "copysign": "std::copysign", "hypot": "std::hypot", "nextafter": "std::nextafter",
     "fmax": "std::fmax", "fmin": "std::fmin", "maximum": "tf_max", "minimum": "tf_min", "clamp_min": "tf_max",
     "clamp_max": "tf_min", "pyfloordiv": "tf_floordiv", "remainder": "tf_remainder", "fmod": "tf_fmod",
