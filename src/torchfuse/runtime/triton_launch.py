@@ -35,6 +35,7 @@ _modules: "OrderedDict[str, ModuleType]" = OrderedDict()   # LRU, bounded by con
 _autotune_modules: dict[str, bool] = {}
 _tuned: dict[str, tuple[int, int]] = {}
 _tuned_path: Path | None = None
+_TUNED_LIMIT = 4096
 
 
 def ensure_interpreter_if_cpu(device_type: str) -> None:
@@ -101,6 +102,8 @@ def _autotune(kernel: Any, key: str, candidates: list[tuple[int, ...]], launch) 
         if ms < best_ms:
             best, best_ms = cand, ms
     _tuned[key] = best
+    while len(_tuned) > _TUNED_LIMIT:          # bounded: dynamic shapes under max-autotune add keys
+        del _tuned[next(iter(_tuned))]
     if _tuned_path is not None:
         try:
             tmp = _tuned_path.with_suffix(".tmp")
