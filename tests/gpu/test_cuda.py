@@ -131,3 +131,13 @@ def test_triton_kernels_precompiled_in_parallel_before_first_call():
     assert torchfuse.counters["kernels_precompiled"] - before == 3
     for o, r in zip(out, fn(x, y)):
         _close(o, r, torch.float32)
+
+
+@pytest.mark.parametrize("shape", [(1, 1000), (1000, 1), (1, 1), (3, 1000), (8, 768 + 8)])
+def test_static_numels_including_one(shape):
+    """Static sizes are written into the kernels (`xnumel = 1000`); a size of 1 is also a Triton
+    constexpr argument, which the assignment must shadow cleanly."""
+    x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+    fn = lambda t: (torch.softmax(t.float(), -1).to(t.dtype), t.sum(-1), t * 2, t.t().contiguous() + 1)  # noqa: E731
+    for o, r in zip(torch.compile(fn, backend="torchfuse", options={"strict": True})(x), fn(x)):
+        _close(o, r, torch.bfloat16)

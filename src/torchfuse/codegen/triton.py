@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Sequence
 
 import torch
 
@@ -330,12 +331,14 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         params = ", ".join(read + written + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
                                                           "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
         em = TritonEmitter(dtypes)
+        _static_numels(em, xnumel=[plan.outer[tile[1]]], ynumel=[plan.outer[tile[0]]])
         _emit_tile_indices(em, plan, *tile)
         em.mask = "xmask"
         _emit_values(em, plan, plan.members, "xmask")
         out.append(f"@triton.jit\ndef {kernel.name}_tiled({params}):\n" + "\n".join(em.lines))
     elif kernel.kind == "pointwise":
         em = TritonEmitter(dtypes)
+        _static_numels(em, xnumel=plan.outer)
         em.line("pid = tl.program_id(0)")
         em.line("if BIG:   # 64-bit offsets only when some offset can pass 2**31")
         em.line("    pid = pid.to(tl.int64)")
@@ -349,6 +352,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
     else:
         for persistent in (True, False):
             em = TritonEmitter(dtypes)
+            _static_numels(em, xnumel=plan.outer, rnumel=plan.inner)
             em.line("pid = tl.program_id(0)")
             em.line("if BIG:")
             em.line("    pid = pid.to(tl.int64)")
@@ -361,6 +365,23 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
             suffix = "_persistent" if persistent else "_looped"
             out.append(f"@triton.jit\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
     return "\n\n\n".join(out), read + written, syms_list
+
+
+def _static_numels(em: TritonEmitter, **numels: Sequence[Node]) -> None:
+    """Shadow a numel argument with its value when the sizes are compile-time constants.
+
+    Triton proves a mask like `rindex < rnumel` uniform over 8 lanes (one 16-byte bf16 vector)
+    only if it knows rnumel is a multiple of 8; from an argument it only learns "divisible by
+    16", so rows of 1000 or 768 + 8 elements were read 2 bytes at a time.  Kernels of graphs with
+    symbolic sizes keep the argument (shape-generic)."""
+    for name, sizes in numels.items():
+        total = 1
+        for size in sizes:
+            if size.op != "const":
+                break
+            total *= int(size.arg)
+        else:
+            em.line(f"{name} = {total}   # static size: exact divisibility for masks and vector loads")
 
 
 # Dims shorter than this are not worth a 2-D tile (most of a 16-wide tile would be masked off).
