@@ -104,38 +104,6 @@ def run_blocks(rows: list[list[str]], bench: Callable, first_call: Callable, log
 
 
 if __name__ == "__main__":
-    import os
-    import sys
-    import tempfile
-    import time
-    _tmp = tempfile.mkdtemp(prefix="tf-blocks-")
-    for var, sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
-                     ("TORCHFUSE_CACHE_DIR", "torchfuse")):
-        os.environ.setdefault(var, os.path.join(_tmp, sub))
-    sys.path.insert(0, os.path.dirname(__file__))
-    import torchfuse  # noqa: F401
+    from gpu_bench import _log_error, bench, first_call    # (sets fresh cache dirs before compiling)
 
-    def _bench(fn, *args, reps=10, inner=3):
-        for _ in range(3):
-            fn(*args)
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(inner):
-                fn(*args)
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / inner)
-        return sorted(ts)[len(ts) // 2]
-
-    def _first(fn, *args):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn(*args)
-        torch.cuda.synchronize()
-        return fn, time.perf_counter() - t
-
-    rows: list[list[str]] = []
-    run_blocks(rows, _bench, _first, lambda what, e: print(f"{what}: {type(e).__name__}: {e}"))
+    run_blocks([], bench, first_call, _log_error)

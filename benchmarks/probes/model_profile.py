@@ -22,6 +22,9 @@ import torch  # noqa: E402
 
 import torchfuse  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu_bench  # noqa: E402  (CUDA-event timing shared with the benchmark table)
+
 LINES: list[str] = []
 
 
@@ -77,20 +80,8 @@ def profile(fn, args, iters: int) -> tuple[float, list[tuple[str, float, int]]]:
     return sum(r[1] for r in rows), rows
 
 
-def bench(fn, args, reps: int = 10) -> float:
-    for _ in range(3):
-        fn(*args)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(3):
-            fn(*args)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) / 3)
-    return sorted(ts)[len(ts) // 2]
+def bench(fn, args) -> float:
+    return gpu_bench.bench(fn, *args, reps=10, inner=3)
 
 
 def main() -> None:
