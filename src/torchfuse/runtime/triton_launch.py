@@ -51,7 +51,10 @@ def load_module(source: str, config: Config) -> ModuleType:
     if key in _modules:
         counters.bump("cache_hits_memory")
         _modules.move_to_end(key)
-        return _modules[key]
+        module = _modules[key]
+        # the same source compiled again under other options: its launches follow the newest
+        _autotune_modules[module.__name__] = module._tf_autotune = config.autotune
+        return module
     try:
         folder = Path(config.cache_dir) / "triton"
         folder.mkdir(parents=True, exist_ok=True)

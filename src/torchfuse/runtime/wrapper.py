@@ -174,8 +174,12 @@ class WrapperBuilder:
         for o in tensors:
             # Kernels index this buffer with the strides the fake tensor predicted; ATen almost
             # always agrees, and when it does not we restride once rather than read garbage.
-            sizes, strides, _, _ = self.program.buffer_meta[o]
+            sizes, strides, dtype, _ = self.program.buffer_meta[o]
             none_ok = f"{o} is not None and " if len(item.outputs) > 1 else ""   # undefined optional outputs
+            # The same for the dtype: a few ops' fake kernels disagree with eager (fp16 batch norm
+            # running stats come back fp16 where the fake says fp32); kernels would misread them.
+            if isinstance(dtype, torch.dtype):
+                L.append(f"    if {none_ok}{o}.dtype is not {self.const(dtype)}: {o} = {o}.to({self.const(dtype)})")
             L.append(f"    if {none_ok}{o}.stride() != {_tuple(strides)}: {o} = _restride({o}, {_tuple(sizes)}, {_tuple(strides)})")
 
     def _last_uses(self) -> dict[str, int]:

@@ -48,11 +48,7 @@ _RANK = {"skipped": 0, "lowered": 1, "fallback": 2, "xfail": 3, "mismatch": 3, "
 
 # Known crashes/mismatches whose fix lies outside the op lowerings and code generator (op key ->
 # the bug); each has a minimal repro, xfailed, in tests/opinfo/test_known_failures.py.
-KNOWN_FAILURES = {
-    "_batch_norm_with_update": "PyTorch's fake tensor of _batch_norm_with_update_functional says fp32 "
-                               "running stats, eager returns fp16 ones; runtime/wrapper.py WrapperBuilder._fallback "
-                               "trusts the fake dtype, so kernels read fp16 data as fp32 (float16 and bfloat16)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 
 # The fast subset CI runs: common pointwise, reduction, normalization, view and indexing ops.
 SUBSET = [
