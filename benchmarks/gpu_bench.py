@@ -166,6 +166,14 @@ def run_kernels(shapes, dtypes, copy_gbs, rows, only=None):
             print(" | ".join(rows[-1]), flush=True)
 
 
+def add_compare_row(rows: list[list[str]], name: str, results: dict[str, tuple[float, float]]) -> None:
+    """One table row from {"eager"|"inductor"|"torchfuse": (ms, first-call s)} (blocks, models)."""
+    e_ms, i_ms, t_ms = (results[k][0] for k in ("eager", "inductor", "torchfuse"))
+    rows.append([name, "", "", f"{e_ms:.2f}", f"{i_ms:.2f}", f"{t_ms:.2f}", "", "", f"{i_ms / t_ms:.2f}",
+                 f"{results['inductor'][1]:.1f}", f"{results['torchfuse'][1]:.1f}"])
+    print(" | ".join(rows[-1]), flush=True)
+
+
 def run_models(rows):
     import transformers
     cases = []
@@ -200,10 +208,7 @@ def run_models(rows):
                 except Exception as e:
                     results[label] = (float("nan"), float("nan"))
                     _log_error(f"{name} {label}", e)
-        e_ms, i_ms, t_ms = (results[k][0] for k in ("eager", "inductor", "torchfuse"))
-        rows.append([name, "", "", f"{e_ms:.2f}", f"{i_ms:.2f}", f"{t_ms:.2f}", "", "", f"{i_ms / t_ms:.2f}",
-                     f"{results['inductor'][1]:.1f}", f"{results['torchfuse'][1]:.1f}"])
-        print(" | ".join(rows[-1]), flush=True)
+        add_compare_row(rows, name, results)
         del model
 
 

@@ -81,6 +81,7 @@ def cases() -> list[tuple[str, Callable[[], tuple[Callable, tuple]], bool]]:
 def run_blocks(rows: list[list[str]], bench: Callable, first_call: Callable, log_error: Callable,
                tf_mode: str | None = None) -> None:
     """Append one row per workload: name, eager/inductor/torchfuse ms, ratio, compile seconds."""
+    from gpu_bench import add_compare_row
     for name, make, training in cases():
         fn, args = make()
         results: dict[str, tuple[float, float]] = {}
@@ -95,10 +96,7 @@ def run_blocks(rows: list[list[str]], bench: Callable, first_call: Callable, log
             except Exception as e:  # one broken row must not lose the others
                 results[label] = (float("nan"), float("nan"))
                 log_error(f"{name} {label}", e)
-        e_ms, i_ms, t_ms = (results[k][0] for k in ("eager", "inductor", "torchfuse"))
-        rows.append([name, "", "", f"{e_ms:.2f}", f"{i_ms:.2f}", f"{t_ms:.2f}", "", "", f"{i_ms / t_ms:.2f}",
-                     f"{results['inductor'][1]:.1f}", f"{results['torchfuse'][1]:.1f}"])
-        print(" | ".join(rows[-1]), flush=True)
+        add_compare_row(rows, name, results)
         del fn, args
         torch.cuda.empty_cache()
 

@@ -44,6 +44,7 @@ def timeit(fns: dict[str, Callable[[], object]], device: str, repeats: int, inne
     for fn in fns.values():
         fn()
         fn()
+    sync(device)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -38,33 +38,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torchfuse  # noqa: E402
 from torchfuse import counters  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from lazy_bench import sync, timeit  # noqa: E402  (the same round-robin median timing)
+
 START = time.perf_counter()
 BUDGET_S = 170.0
 ROWS: list[tuple[str, str, str, str, str]] = []     # name, eager, lazy, compiled, note
 DETAILS: dict[str, Any] = {}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def timeit(fns: dict[str, Callable[[], object]], device: str, repeats: int, inner: int) -> dict[str, float]:
-    """Median seconds per call of each fn, measured round-robin."""
-    for fn in fns.values():
-        fn()
-        fn()
-    sync(device)
-    samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            sync(device)
-            samples[name].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def row(name: str, fn: Callable[[], None]) -> None:

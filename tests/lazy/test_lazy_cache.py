@@ -54,21 +54,19 @@ def test_dynamic_auto_and_off():
     w, b = torch.randn(16), torch.randn(16)
     auto = torchfuse.lazy(block, dynamic=None)       # static first, symbolic from the 2nd size
     off = torchfuse.lazy(block, dynamic=False)       # every size compiles
-    compiles = []
-    for batch in (3, 5, 8, 13):
-        x = torch.randn(batch, 16)
-        before = snap()
-        torch.testing.assert_close(auto(x, w, b), block(x, w, b), atol=1e-5, rtol=1e-5)
-        compiles.append(delta(before)["lazy_compiles"])
-    assert compiles == [1, 1, 0, 0], compiles
+
+    def compiles_per_call(fn, batches):
+        compiles = []
+        for batch in batches:
+            x = torch.randn(batch, 16)
+            before = snap()
+            torch.testing.assert_close(fn(x, w, b), block(x, w, b), atol=1e-5, rtol=1e-5)
+            compiles.append(delta(before)["lazy_compiles"])
+        return compiles
+
+    assert compiles_per_call(auto, (3, 5, 8, 13)) == [1, 1, 0, 0]
     cache.clear()
-    compiles = []
-    for batch in (3, 5, 3, 8):
-        x = torch.randn(batch, 16)
-        before = snap()
-        torch.testing.assert_close(off(x, w, b), block(x, w, b), atol=1e-5, rtol=1e-5)
-        compiles.append(delta(before)["lazy_compiles"])
-    assert compiles == [1, 1, 0, 1], compiles
+    assert compiles_per_call(off, (3, 5, 3, 8)) == [1, 1, 0, 1]
 
 
 def test_guards_separate_shapes_that_need_other_code():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._meta import create_node, val_of
+from ._meta import _fake_arg, create_node, fake_mode_of, val_of
 from .context import PassContext
 
 aten = torch.ops.aten
@@ -128,7 +128,6 @@ def _refresh_views(node: fx.Node) -> bool:
     """Recompute meta["val"] of the views reading `node` (and views of those): the lowering takes
     a view's strides from it, and the rewrite changed the layout underneath.  False if one of
     them cannot view the new layout."""
-    from ._meta import fake_mode_of, _fake_arg
     mode = fake_mode_of(node.graph)
     for user in list(node.users):
         if user.op != "call_function" or not _is_view(user):

@@ -78,10 +78,9 @@ def plan_launches(calls: Iterable[tuple[str, list[tuple[str, str]]]], scope: dic
 
 def precompile(launches: list[tuple], workers: int) -> int:
     """Compile the planned `launches` in a pool of `workers` threads; returns how many."""
-    import triton
-    if os.environ.get("TRITON_INTERPRET") == "1" or not hasattr(triton, "AsyncCompileMode") or workers < 2 \
-            or not launches:
+    if not launches or workers < 2 or not enabled():
         return 0
+    import triton
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="torchfuse-compile") as pool:
