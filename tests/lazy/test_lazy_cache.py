@@ -49,6 +49,32 @@ def test_new_batch_sizes_compile_and_build_nothing():
     assert delta(before)["lazy_cache_hits"] == 1 and delta(before)["lazy_shape_hits"] == 0
 
 
+def attention_like(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    # what a transformer does with the batch and sequence length of its input: view with an
+    # inferred dim and a constant head size, arange(seq), slicing by seq, flatten to (b * s)
+    b, s, e = x.shape
+    h = x.view(b, s, -1, 4).transpose(1, 2)                  # (b, heads, s, 4)
+    pos = table[torch.arange(s)] + table[:s].sin()          # (s, e)
+    y = (h.transpose(1, 2).reshape(b, s, e) + pos).relu()
+    return y.reshape(b * s, e).sum(-1).view(b, s)
+
+
+def test_new_sequence_lengths_reuse_the_graph():
+    torch.manual_seed(0)
+    table = torch.randn(64, 12)
+    f = torchfuse.lazy(attention_like, options={"strict": True})
+    compiles = []
+    # 4 is the head size and 12 the width: batch/sequence values equal to them are the
+    # coincidences a size-free key must survive (they may miss; they must never be wrong)
+    for b, s in [(2, 5), (3, 9), (2, 33), (4, 7), (5, 12), (3, 4), (2, 21), (6, 6), (7, 13)]:
+        x = torch.randn(b, s, 12)
+        before = snap()
+        torch.testing.assert_close(f(x, table), attention_like(x, table), atol=1e-5, rtol=1e-5)
+        compiles.append(delta(before)["lazy_compiles"])
+    assert compiles[0] == 1 and compiles[1:4] == [0, 0, 0], compiles
+    assert sum(compiles) <= 3, compiles
+
+
 def test_dynamic_auto_and_off():
     torch.manual_seed(0)
     w, b = torch.randn(16), torch.randn(16)

@@ -3,13 +3,15 @@
 * Level 1, `_EXACT`: the exact signature of a flush (ops and their scalar arguments, how nodes
   connect, dtype/size/stride/offset of every leaf) -> the compiled graph to call.  One dict
   lookup per flush: a loop that records the same step again (the common case) stops here.
-* Level 2, `_SHAPES`: the same signature with the sizes left out (leaf dtypes and ranks only,
-  and the integers of `size=`/`shape=` arguments, e.g. of `view`, lifted out of the key) ->
-  graphs compiled with *symbolic* sizes (make_fx tracing_mode="symbolic"), each with the shape
-  guards its tracing and compilation assumed (ShapeEnv.produce_guards_expression, statics
-  included).  A level-1 miss whose guards pass reuses that graph: a new batch size compiles
-  nothing and builds no kernel; only shapes that break a guard (e.g. a size 1 where the graph
-  was traced with a size > 1) compile again.
+* Level 2, `_SHAPES`: the same signature with the sizes left out (leaf dtypes and ranks only;
+  every int of a size-like argument -- `view`/`expand` shapes, `arange` ends, slice bounds --
+  lifted out of the key, see `_abstract`) -> graphs compiled with *symbolic* sizes (make_fx
+  tracing_mode="symbolic").  Each holds the shape guards its tracing and compilation assumed
+  (ShapeEnv.produce_guards_expression, statics included) and a pattern saying how each lifted
+  int was made: taken from a leaf's size, a graph input of its own, or a constant (`_pattern`).
+  A level-1 miss whose ints follow a graph's pattern and whose guards pass reuses that graph:
+  a new batch size or sequence length compiles nothing and builds no kernel; only shapes that
+  break a guard (e.g. a size 1 where the graph was traced with a size > 1) compile again.
 * A graph the core cannot compile with symbolic sizes (a lowering that needs a static size)
   is compiled once more with static sizes and cached in level 1 only.
 
@@ -19,6 +21,7 @@ Both levels are LRU-bounded by the block's `Config.memory_cache_size`.  Counters
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -48,7 +51,7 @@ class Slot:
 
 
 class IntSlot:
-    """Placeholder for the j-th lifted integer of a graph (a `size=` element) in a template."""
+    """Placeholder for the j-th lifted integer of a graph (a size-like argument) in a template."""
     __slots__ = ("j",)
 
     def __init__(self, j: int):
@@ -71,20 +74,21 @@ def fill(template: Any, tensors: list, ints: tuple = ()) -> Any:
 
 @dataclass
 class Compiled:
-    """One compiled aten graph.  `dynamic`: traced with symbolic sizes and called with the
-    lifted ints after the leaves; `guard`: compiled guard expression over (leaves, ints)."""
+    """One compiled aten graph.  `dynamic`: traced with symbolic sizes and called with the free
+    lifted ints after the leaves; `guard`: compiled guard expression over (leaves, free ints)."""
     call: Callable
     kernels: int
     graph: str
     dynamic: bool = False
     guard: Any = None
+    pattern: tuple = ()     # how each candidate int is made (see _pattern); dynamic graphs only
 
 
 @dataclass
 class Entry:
     """A level-1 entry: a compiled graph for one exact signature."""
     compiled: Compiled
-    ints: tuple = ()                     # lifted ints of this signature (dynamic graphs only)
+    ints: tuple = ()                     # free lifted ints of this signature (dynamic graphs only)
     checked: bool = False                # outputs checked once (aliasing, dtype, layout)
     copy_outputs: tuple[int, ...] = ()   # outputs aliasing a leaf or another output: copied
     fixes: tuple = ()                    # (output, "dtype"/"layout") conversions eager needs
@@ -140,13 +144,13 @@ def lookup(sig: tuple, order: list["LazyNode"], codes: list[list], outs: tuple, 
         counters.bump("lazy_cache_hits")
         return entry, True
     limit = ctx.config.memory_cache_size
-    steps, ints, akey = _abstract(order, codes)
+    steps, cands, akey = _abstract(order, codes)
     skey = (sig[0], device, tuple((t.dtype, t.dim()) for t in leaves), akey, outs)
     variants = _SHAPES.get(skey)
     if variants is not None:
-        args = [*leaves, *ints]
         for c in variants:
-            if _guard_ok(c, args):
+            ints = _free_ints(c.pattern, cands, leaves)
+            if ints is not None and _guard_ok(c, [*leaves, *ints]):
                 _SHAPES.move_to_end(skey)
                 counters.bump("lazy_shape_hits")
                 entry = _EXACT[sig] = Entry(c, tuple(ints))
@@ -155,15 +159,18 @@ def lookup(sig: tuple, order: list["LazyNode"], codes: list[list], outs: tuple, 
     # ctx.dynamic: True compiles symbolic sizes from the first size on; None ("auto", like
     # Dynamo's automatic dynamic shapes) compiles static sizes first -- faster C++ kernels --
     # and symbolic ones once a second size of the same structure shows up; False never.
+    pattern = _pattern(cands, leaves)
+    ints = _free_ints(pattern, cands, leaves) or []
     dynamic = getattr(ctx, "dynamic", True)
-    symbolic = skey not in _STATIC_ONLY and (dynamic is True or (dynamic is None and skey in _SEEN))
+    static_key = (skey, pattern)
+    symbolic = static_key not in _STATIC_ONLY and (dynamic is True or (dynamic is None and skey in _SEEN))
     _SEEN[skey] = None
     _bound(_SEEN, limit)
-    compiled = _compile(order, steps, outs, leaves, ints, ctx, symbolic=symbolic)
+    compiled = _compile(order, steps, outs, leaves, pattern, ints, ctx, symbolic=symbolic)
     if not compiled.dynamic and symbolic:
         # The core could not (or not correctly) compile this structure with symbolic sizes:
         # do not try again for its other sizes.
-        _STATIC_ONLY[skey] = None
+        _STATIC_ONLY[static_key] = None
         _bound(_STATIC_ONLY, limit)
     if compiled.dynamic and compiled.guard is not None:
         variants = _SHAPES.setdefault(skey, [])
@@ -181,36 +188,97 @@ def lookup(sig: tuple, order: list["LazyNode"], codes: list[list], outs: tuple, 
 # --------------------------------------------------------------------------------------------
 
 _SIZE_ARGS: dict[Any, frozenset] = {}
+# Integer arguments that may carry a size: `SymInt[] size/shape` (view, reshape, expand, full,
+# new_zeros, ...), SymInt slice/narrow/select bounds, and arange's `end` (a Scalar).
+_LIFTABLE = {"size", "shape", "start", "end", "length", "index"}
+_LIFTABLE_TYPES = ("SymInt[]", "SymInt[]?", "SymInt", "SymInt?")
+_FREE = {"size", "shape"}    # arguments whose other ints become graph inputs (see _lift)
 
 
 def _size_args(func: Any) -> frozenset:
-    """Names of the `SymInt[] size` / `SymInt[] shape` arguments of an op (view, reshape,
-    expand, new_zeros, full, ...): lifted into graph inputs so that a new batch size does not
-    change the signature.  Index-like SymInts (slice bounds, select index) stay constants: the
-    core lowers some of them only with static values."""
+    """Names of the arguments of an op whose integers may be sizes (see _LIFTABLE)."""
     names = _SIZE_ARGS.get(func)
     if names is None:
         names = frozenset()
         try:
             from torchgen.model import FunctionSchema
             schema = FunctionSchema.parse(str(func._schema))
-            args = schema.arguments.flat_all
-            names = frozenset(a.name for a in args if str(a.type) in ("SymInt[]", "SymInt[]?")
-                              and a.name in ("size", "shape"))
+            arange = schema.name.name.base == "arange"
+            names = frozenset(a.name for a in schema.arguments.flat_all if a.name in _LIFTABLE and (
+                str(a.type) in _LIFTABLE_TYPES or (arange and str(a.type) == "Scalar")))
         except Exception as e:      # an op whose schema torchgen cannot parse: lift nothing
             log.debug("lazy: schema of %s: %s", func, e)
         _SIZE_ARGS[func] = names
     return names
 
 
-def _lift(value: Any, ints: list) -> Any:
+def _lift(value: Any, cands: list, in_list: bool) -> Any:
+    """Replace every int of a size-like argument by an IntSlot; record (value, inside a
+    `size=` list, that list infers a dim from -1)."""
     tp = type(value)
     if tp is int:
-        ints.append(value)
-        return IntSlot(len(ints) - 1)
+        cands.append((value, in_list and in_list is not _INFERRED))
+        return IntSlot(len(cands) - 1)
     if tp is list or tp is tuple:
-        return tp([_lift(x, ints) for x in value])
+        mark = _INFERRED if in_list and -1 in value else in_list
+        return tp([_lift(x, cands, mark) for x in value])
     return value
+
+
+_INFERRED = object()     # marks a size list with a -1
+
+
+def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
+    """How each candidate int is made in a symbolic graph compiled for this call:
+
+    * ("leaf", dims): the int equals a size of a leaf, or a product of adjacent ones
+      (`view(b * s, ...)`), and is taken from there: it is (almost always) the batch or
+      sequence length flowing from the inputs into `view`, `arange` or slicing, and the graph
+      is traced with the leaf's symbol;
+    * ("free",): another int of a `size=` list (`view(2 * b, ...)`) becomes a graph input of
+      its own, unless the list infers a dim from -1: a free symbol there gives the core
+      expressions such as Max(1, 64 // s3);
+    * ("const", v): -1, 0, 1, a head count, slice bounds that match no size.
+
+    A constant that merely equals a leaf size in this call (a head count equal to the batch)
+    is read as a size; `_free_ints` checks a pattern against every later call, so such a
+    coincidence only costs a miss, never a wrong hit.  Parameters keep their sizes from call
+    to call: they are never the source."""
+    sizes: dict[int, tuple] = {}
+    for i, t in enumerate(leaves):
+        if type(t) is not torch.nn.Parameter:
+            shape = t.shape
+            for span in range(1, len(shape) + 1):
+                for d in range(len(shape) - span + 1):
+                    n = math.prod(shape[d:d + span])
+                    if n >= 2 and n not in sizes:
+                        sizes[n] = tuple((i, e) for e in range(d, d + span))
+    out = []
+    for value, free in cands:
+        dims = sizes.get(value)
+        if dims is not None:
+            out.append(("leaf", dims))
+        elif free and value >= 2:
+            out.append(("free",))
+        else:
+            out.append(("const", value))
+    return tuple(out)
+
+
+def _free_ints(pattern: tuple, cands: list, leaves: list) -> list[int] | None:
+    """The free ints of this call under `pattern`, or None if the call's ints do not follow it
+    (a constant that differs, an int that is no longer that product of leaf sizes)."""
+    ints = []
+    for how, (value, _) in zip(pattern, cands):
+        kind = how[0]
+        if kind == "free":
+            ints.append(value)
+        elif kind == "leaf":
+            if math.prod(leaves[i].shape[d] for i, d in how[1]) != value:
+                return None
+        elif how[1] != value:
+            return None
+    return ints
 
 
 def _tkey(template: Any) -> Any:
@@ -229,9 +297,10 @@ def _tkey(template: Any) -> Any:
     return (tp, template)
 
 
-def _abstract(order: list["LazyNode"], codes: list[list]) -> tuple[list, list[int], tuple]:
-    """Replay steps with lifted size integers, the lifted integers, and the size-free key."""
-    ints: list[int] = []
+def _abstract(order: list["LazyNode"], codes: list[list]) -> tuple[list, list, tuple]:
+    """Replay steps with every int of a size-like argument lifted into an IntSlot, those ints
+    (see _lift), and the size-free key."""
+    cands: list = []
     steps = []
     key = []
     for n, refs in zip(order, codes):
@@ -239,12 +308,12 @@ def _abstract(order: list["LazyNode"], codes: list[list]) -> tuple[list, list[in
         names = _size_args(n.func)
         if names:
             positional = [a.name for a in n.func._schema.arguments if not a.kwarg_only]
-            targs = tuple(_lift(a, ints) if i < len(positional) and positional[i] in names else a
-                          for i, a in enumerate(targs))
-            tkwargs = {k: _lift(v, ints) if k in names else v for k, v in tkwargs.items()}
+            targs = tuple(_lift(a, cands, positional[i] in _FREE) if i < len(positional)
+                          and positional[i] in names else a for i, a in enumerate(targs))
+            tkwargs = {k: _lift(v, cands, k in _FREE) if k in names else v for k, v in tkwargs.items()}
         steps.append((n.func, targs, tkwargs, n.container, refs))
         key.append((n.func, _tkey(targs), _tkey(tkwargs), tuple(refs)))
-    return steps, ints, tuple(key)
+    return steps, cands, tuple(key)
 
 
 def _guard_ok(c: Compiled, args: list) -> bool:
@@ -261,7 +330,7 @@ def _guard_ok(c: Compiled, args: list) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[torch.Tensor],
-             ints: list[int], ctx: "LazyContext", symbolic: bool = True) -> Compiled:
+             pattern: tuple, ints: list[int], ctx: "LazyContext", symbolic: bool = True) -> Compiled:
     """Trace the replay of the pending ops into an aten graph and compile it with torchfuse:
     with symbolic sizes if the core can, else with static sizes."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -271,11 +340,14 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
     counters.bump("lazy_compiles")
     nleaves = len(leaves)
 
-    def replay_of(steps: list) -> Callable:
+    def replay_of(steps: list, pattern: tuple = ()) -> Callable:
         # The replay holds only the ops and their constant arguments (no tensors), so the
         # cached entry built from it keeps no leaf alive.
         def replay(*vals: Any) -> tuple:
-            leaf_vals, int_vals = vals[:nleaves], vals[nleaves:]
+            leaf_vals, free = vals[:nleaves], iter(vals[nleaves:])
+            # a lifted int: a product of leaf sizes (symbolic when tracing), a free input, a constant
+            int_vals = [how[1] if how[0] == "const" else next(free) if how[0] == "free"
+                        else math.prod(leaf_vals[i].shape[d] for i, d in how[1]) for how in pattern]
             env: list[list] = []
             for func, targs, tkwargs, container, refs in steps:
                 tensors = [env[r[0]][r[1]] if type(r) is tuple else leaf_vals[r] for r in refs]
@@ -284,16 +356,16 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
             return tuple(env[i][k] for i, k in outs)
         return replay
 
-    def traced(mode: str, steps: list, args: list) -> Any:
-        with torch.no_grad():
-            return make_fx(replay_of(steps), decomposition_table=decomposition_table(), tracing_mode=mode)(*args)
+    def traced(mode: str, replay: Callable, args: list) -> Any:
+        with torch.no_grad(), _no_duck_shapes():
+            return make_fx(replay, decomposition_table=decomposition_table(), tracing_mode=mode)(*args)
 
     # 1. symbolic sizes: one graph for every size its guards accept
     report = Explanation()
     try:
         if not symbolic:
             raise RuntimeError("compiled with static sizes before")
-        gm = traced("symbolic", steps, [*leaves, *ints])
+        gm = traced("symbolic", replay_of(steps, pattern), [*leaves, *ints])
         vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         before = counters["eager_fallbacks"]
         with warnings.catch_warnings(record=True) as caught:
@@ -308,7 +380,7 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
         guard = _guards(vals)
         static_steps = [(n.func, n.targs, n.tkwargs, n.container, st[4]) for n, st in zip(order, steps)]
         _validate(call, replay_of(static_steps), leaves, ints)
-        return _done(Compiled(call, len(report.kernels), _name(report), True, guard), report, order, ctx)
+        return _done(Compiled(call, len(report.kernels), _name(report), True, guard, pattern), report, order, ctx)
     except Exception as e:
         # Also in strict mode: only the static attempt's failure is final.
         if symbolic:
@@ -320,7 +392,7 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
     steps = [(n.func, n.targs, n.tkwargs, n.container, step[4]) for n, step in zip(order, steps)]
     replay = replay_of(steps)
     try:
-        gm = traced("fake", steps, list(leaves))
+        gm = traced("fake", replay, list(leaves))
         call = compile_graph(gm, ctx.config, inference=True, kind="lazy", report=report)
     except Exception as e:
         if ctx.config.strict:
@@ -337,6 +409,18 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
             return replay(*vals)
         return Compiled(call, 0, "eager")
     return _done(Compiled(call, len(report.kernels), _name(report)), report, order, ctx)
+
+
+def _no_duck_shapes() -> Any:
+    """Trace with one symbol per input size even where two sizes are equal in this call
+    (duck shaping would merge a batch of 4 with a head count of 4 and guard on their equality,
+    so the next batch size misses the cache)."""
+    import contextlib
+
+    import torch.fx.experimental._config as fx_config
+    if hasattr(fx_config, "use_duck_shape"):
+        return fx_config.patch(use_duck_shape=False)
+    return contextlib.nullcontext()
 
 
 def _validate(call: Callable, replay: Callable, leaves: list, ints: list) -> None:
@@ -362,7 +446,7 @@ def _validate(call: Callable, replay: Callable, leaves: list, ints: list) -> Non
 
 
 def _guards(vals: list) -> Any:
-    """Compiled guard expression over the placeholders (t0.. = leaves, then lifted ints)."""
+    """Compiled guard expression over the placeholders (t0.. = leaves, then free lifted ints)."""
     shape_env = None
     for v in vals:
         if isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not None:
