@@ -10,9 +10,11 @@ Rows (each one independent: a failure prints its error and the probe goes on):
   3. the 6-op pointwise chain on 64M fp32 elements: eager vs lazy vs
      torch.compile(backend="torchfuse"), steady state, with recompiles counted and the lazy
      call's host-only (enqueue) time next to its GPU time;
-  4. GPT-2 small (12 layers, 768 wide, batch 1, seq 128, random weights, no_grad) eager vs
-     lazy (default: matmuls deferred into the graph) vs lazy(defer_matmuls=False), if
-     transformers is importable; flushes/ops/kernels per forward and first-call time.
+  4. GPT-2 small (12 layers, 768 wide, random weights, no_grad) at batch 1 seq 128 (host-bound)
+     and batch 8 seq 512 (GPU-bound): eager vs lazy (CUDA pipelining on, the default) vs
+     lazy(pipeline_ops=0) vs a dispatch mode that does nothing (the floor of the design),
+     flushes/ops/kernels/host syncs per forward and first-call time; then new sequence
+     lengths, graphs compiled per length.
 Prints a short table; with $OUT set writes lazy_gpu_probe.json (all numbers, errors, GPT-2's
 flush log) there.  Times are medians of interleaved repeats, synchronized.
 """
@@ -33,6 +35,7 @@ import warnings  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src"))
 import torchfuse  # noqa: E402
@@ -42,7 +45,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lazy_bench import sync, timeit  # noqa: E402  (the same round-robin median timing)
 
 START = time.perf_counter()
-BUDGET_S = 170.0
+BUDGET_S = 420.0
 ROWS: list[tuple[str, str, str, str, str]] = []     # name, eager, lazy, compiled, note
 DETAILS: dict[str, Any] = {}
 
@@ -126,7 +129,8 @@ def per_flush(device: str, quick: bool) -> None:
                 y = None
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message).lower()]
+        syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:160]}" for w in caught
+                 if "synchroniz" in str(w.message).lower()]
     r, f = 1e6 * statistics.median(rec), 1e6 * statistics.median(fl)
     eager = timeit({"eager": lambda: chain6(x)}, device, 5, 50)["eager"]
     DETAILS["per_flush"] = {"record_6_ops_us": r, "flush_us": f, "block_total_us": 1e6 * total,
@@ -167,7 +171,37 @@ def big_chain(device: str, quick: bool) -> None:
                  f"{host_ms:.3f} ms; recompiles in timing: {d.get('lazy_compiles', 0)}"))
 
 
+class _NoopMode(TorchDispatchMode):
+    """The floor of any TorchDispatchMode design: a mode that only runs each op."""
+
+
+def _noop_dispatch(self: Any, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    return func(*args, **(kwargs or {}))
+
+
+_NoopMode.__torch_dispatch__ = _noop_dispatch     # outside the class body: no Dynamo wrapper
+
+
+def _syncs_during(device: str, fn: Callable[[], Any]) -> list[str] | None:
+    if device != "cuda":
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno}: {str(w.message)[:160]}" for w in caught
+            if "synchroniz" in str(w.message).lower()]
+
+
 def gpt2(device: str, quick: bool) -> None:
+    """GPT-2 small under lazy(): a host-bound shape (batch 1, seq 128) and a GPU-bound one
+    (batch 8, seq 512), each against eager and against the floor of a dispatch mode that
+    does nothing; lazy with its default CUDA pipelining and with it off; then new sequence
+    lengths (compiles counted)."""
     try:
         import transformers
     except ImportError:
@@ -177,55 +211,98 @@ def gpt2(device: str, quick: bool) -> None:
     torch.manual_seed(0)
     if quick:
         cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=2048, n_positions=128)
-        seq = 64
+        shapes = [(1, 64), (2, 96)]
     else:
         cfg = transformers.GPT2Config()          # GPT-2 small: 12 layers, 768, 12 heads, 50257
-        seq = 128
+        shapes = [(1, 128), (8, 512)]
     model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
-    ids = torch.randint(0, cfg.vocab_size, (1, seq), device=device)
+    DETAILS["gpt2"] = {"config": f"n_layer={cfg.n_layer} n_embd={cfg.n_embd} vocab={cfg.vocab_size}"}
 
-    def eager() -> torch.Tensor:
+    def fwd(ids: torch.Tensor) -> torch.Tensor:
+        return model(ids, use_cache=False).logits
+
+    for batch, seq in shapes:
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+        blocks = {"lazy": torchfuse.lazy(), "lazy_no_pipeline": torchfuse.lazy(pipeline_ops=0)}
+        if (batch, seq) == shapes[0]:
+            blocks["lazy_eager_matmuls"] = torchfuse.lazy(defer_matmuls=False)
+
+        def runner(block: Any) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                with torch.no_grad(), block:
+                    out = fwd(ids)
+                return out
+            return run
+
+        def noop() -> torch.Tensor:
+            with torch.no_grad(), _NoopMode():
+                return fwd(ids)
+
         with torch.no_grad():
-            return model(ids, use_cache=False).logits
+            ref = fwd(ids)
+        fns = {"eager": lambda: torch.no_grad()(fwd)(ids), "dispatch_mode_floor": noop}
+        first, profile = {}, {}
+        for name, block in blocks.items():
+            sync(device)
+            t0 = time.perf_counter()
+            got = runner(block)()
+            sync(device)
+            first[name] = time.perf_counter() - t0
+            torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+            n0 = len(block.flushes)
+            syncs = _syncs_during(device, runner(block))
+            new = block.flushes[n0:]
+            profile[name] = {"flushes": len(new), "ops": sum(f.ops for f in new),
+                             "kernel_launches": sum(f.kernels for f in new),
+                             "cache_hits": sum(f.cache_hit for f in new), "host_syncs": syncs,
+                             "reasons": [f.reason for f in new]}
+            fns[name] = runner(block)
+        reps = 5 if quick else 10
+        t = timeit(fns, device, reps, inner=2)
+        # host-only time of a lazy forward (record + flush + launch), GPU still running
+        host = {}
+        for name in ("eager", "lazy", "lazy_no_pipeline"):
+            vals = []
+            for _ in range(5):
+                sync(device)
+                t0 = time.perf_counter()
+                fns[name]()
+                vals.append(time.perf_counter() - t0)
+            host[name] = 1e3 * statistics.median(vals)
+        DETAILS["gpt2"][f"b{batch}_s{seq}"] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first,
+                                              "host_only_ms": host, "profile": profile}
+        p = profile["lazy"]
+        ROWS.append((f"GPT-2 ({cfg.n_layer}L, {cfg.n_embd}) batch {batch} seq {seq}: lazy",
+                     f"{1e3 * t['eager']:.2f} ms", f"{1e3 * t['lazy']:.2f} ms", "-",
+                     f"{t['eager'] / t['lazy']:.2f}x eager (overhead {100 * (t['lazy'] / t['eager'] - 1):+.0f}%, "
+                     f"anchor +38%); {p['flushes']} flushes, {p['ops']} ops, {p['kernel_launches']} kernels; "
+                     f"{len(p['host_syncs'] or [])} host syncs; first call {first['lazy']:.1f} s"))
+        ROWS.append((f"  same, lazy(pipeline_ops=0)", f"{1e3 * t['eager']:.2f} ms",
+                     f"{1e3 * t['lazy_no_pipeline']:.2f} ms", "-",
+                     f"{t['eager'] / t['lazy_no_pipeline']:.2f}x eager; {profile['lazy_no_pipeline']['flushes']} flush(es)"))
+        ROWS.append((f"  same, a dispatch mode that does nothing", f"{1e3 * t['eager']:.2f} ms",
+                     f"{1e3 * t['dispatch_mode_floor']:.2f} ms", "-",
+                     f"{t['eager'] / t['dispatch_mode_floor']:.2f}x eager: the floor of interception at the dispatcher"))
+        if "lazy_eager_matmuls" in t:
+            q = profile["lazy_eager_matmuls"]
+            ROWS.append(("  same, lazy(defer_matmuls=False)", f"{1e3 * t['eager']:.2f} ms",
+                         f"{1e3 * t['lazy_eager_matmuls']:.2f} ms", "-",
+                         f"{t['eager'] / t['lazy_eager_matmuls']:.2f}x eager; {q['flushes']} flushes"))
 
-    def lazy_fn(defer: bool) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:
-            with torch.no_grad(), torchfuse.lazy(defer_matmuls=defer):
-                out = model(ids, use_cache=False).logits
-            return out
-        return run
-
-    ref = eager()
-    first = {}
-    for name, defer in (("lazy", True), ("lazy_eager_matmuls", False)):
-        sync(device)
-        t0 = time.perf_counter()
-        got = lazy_fn(defer)()
-        sync(device)
-        first[name] = time.perf_counter() - t0
-        torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
-    profile = {}
-    for name, defer in (("lazy", True), ("lazy_eager_matmuls", False)):
-        with torch.no_grad(), torchfuse.lazy(defer_matmuls=defer) as ctx:
-            out = model(ids, use_cache=False).logits       # held: dropped values are not computed
-        sync(device)
-        del out
-        profile[name] = {"flushes": len(ctx.flushes), "ops": sum(f.ops for f in ctx.flushes),
-                         "kernel_launches": ctx.kernels, "cache_hits": sum(f.cache_hit for f in ctx.flushes),
-                         "explain": ctx.explain()[:20000]}
-    reps = 5 if quick else 10
-    t = timeit({"eager": eager, "lazy": lazy_fn(True), "lazy_eager_matmuls": lazy_fn(False)}, device, reps, inner=2)
-    DETAILS["gpt2"] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first, "profile": profile,
-                       "shape": f"n_layer={cfg.n_layer} n_embd={cfg.n_embd} vocab={cfg.vocab_size} batch=1 seq={seq}"}
-    p, q = profile["lazy"], profile["lazy_eager_matmuls"]
-    ROWS.append((f"GPT-2 ({cfg.n_layer}L, {cfg.n_embd}, seq {seq}) lazy", f"{1e3 * t['eager']:.2f} ms",
-                 f"{1e3 * t['lazy']:.2f} ms", "-",
-                 f"{t['eager'] / t['lazy']:.2f}x eager (overhead {100 * (t['lazy'] / t['eager'] - 1):+.0f}%, anchor "
-                 f"+38%); {p['flushes']} flushes, {p['ops']} ops, {p['kernel_launches']} kernels; first call "
-                 f"{first['lazy']:.1f} s"))
-    ROWS.append(("GPT-2 lazy(defer_matmuls=False)", f"{1e3 * t['eager']:.2f} ms",
-                 f"{1e3 * t['lazy_eager_matmuls']:.2f} ms", "-",
-                 f"{t['eager'] / t['lazy_eager_matmuls']:.2f}x eager; {q['flushes']} flushes, {q['ops']} ops"))
+    # new sequence lengths: the size-free cache should compile nothing
+    block = torchfuse.lazy()
+    compiles = []
+    for seq in ((48, 80, 100, 77, 130) if not quick else (40, 50, 70)):
+        ids = torch.randint(0, cfg.vocab_size, (2, seq), device=device)
+        before = counters["lazy_compiles"]
+        with torch.no_grad(), block:
+            out = fwd(ids)
+        with torch.no_grad():
+            torch.testing.assert_close(out, fwd(ids), atol=2e-3, rtol=2e-3)
+        compiles.append(counters["lazy_compiles"] - before)
+    DETAILS["gpt2"]["new_seq_compiles"] = compiles
+    ROWS.append(("GPT-2 lazy, batch 2, new sequence lengths", "-", "-", "-",
+                 f"graphs compiled per new length: {compiles}"))
 
 
 def main() -> None:

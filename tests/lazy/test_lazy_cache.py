@@ -75,6 +75,25 @@ def test_new_sequence_lengths_reuse_the_graph():
     assert sum(compiles) <= 3, compiles
 
 
+def positions(b: int, s: int) -> torch.Tensor:
+    # a graph with no input tensor: its sizes come from Python ints (arange, expand, slice
+    # bounds s and s + 1, the index s - 1 of the last position)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.ones(b, s + 1)[:, 1:s + 1]
+    last = pos.cumsum(-1)[:, s - 1]
+    return (pos * 2 + mask).sum(-1) + last
+
+
+def test_new_lengths_of_a_graph_without_input_tensors():
+    f = torchfuse.lazy(positions, options={"strict": True})
+    compiles = []
+    for s in (5, 9, 13, 20, 31):
+        before = snap()
+        torch.testing.assert_close(f(2, s), positions(2, s))
+        compiles.append(delta(before)["lazy_compiles"])
+    assert compiles == [1, 0, 0, 0, 0], compiles
+
+
 def test_dynamic_auto_and_off():
     torch.manual_seed(0)
     w, b = torch.randn(16), torch.randn(16)

@@ -111,3 +111,33 @@ def test_long_running_recurrence_in_place_state():
         ref = ref * 0.5 + (x * 0.01).sin()
     torch.testing.assert_close(acc, ref)
     assert sum(not f.cache_hit for f in ctx.flushes) <= 4, ctx.explain()
+
+
+def mlp_stack(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    for w in ws:                                    # 6 recorded ops a layer
+        h = torch.nn.functional.layer_norm(x, (x.shape[-1],))
+        x = x + torch.nn.functional.gelu(h @ w) * 0.5
+    return x.sum(-1)
+
+
+def test_pipelined_flushes_cut_at_the_same_ops_every_step():
+    torch.manual_seed(0)
+    ws = [torch.randn(32, 32) / 6 for _ in range(12)]
+    xs = [torch.randn(4, 32) for _ in range(4)]
+    ctx = torchfuse.lazy(pipeline_ops=16)           # CPU: pipelining only when asked for
+    flushes, compiles = [], []
+    for x in xs:
+        before = (len(ctx.flushes), counters["lazy_compiles"])
+        with ctx:
+            y = mlp_stack(x, ws)
+        torch.testing.assert_close(y, mlp_stack(x, ws), atol=1e-5, rtol=1e-5)
+        flushes.append(len(ctx.flushes) - before[0])
+        compiles.append(counters["lazy_compiles"] - before[1])
+    reasons = [f.reason for f in ctx.flushes[-flushes[-1]:]]
+    assert flushes[0] >= 4 and len(set(flushes)) == 1, flushes
+    assert reasons.count("pipeline") == flushes[-1] - 1 and reasons[-1] == "end of the lazy block", reasons
+    assert compiles[1:] == [0, 0, 0], compiles      # every part is a cache hit from step 2 on
+    # off by default on CPU: one flush for the whole stack
+    with torchfuse.lazy() as one:
+        y = mlp_stack(xs[0], ws)
+    assert len(one.flushes) == 1

@@ -88,11 +88,32 @@ def _sympy_to_node(e: Any) -> Node:
             out = out * base
         return out
     name = type(e).__name__
+    if name == "Max":
+        # Max(1, s0*s1) -- a stride of a dim that may be empty -- for backed sizes, which are
+        # >= 2 (0 and 1 are specialized): the product itself.
+        consts = [a for a in e.args if isinstance(a, sympy.Integer)]
+        rest = [a for a in e.args if not isinstance(a, sympy.Integer)]
+        if len(rest) == 1 and all(int(c) <= 1 for c in consts) and _positive_size(rest[0]):
+            return _sympy_to_node(rest[0])
     if name == "FloorDiv":
         return floordiv(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
     if name in ("Mod", "PythonMod"):
         return mod(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
     raise Unsupported(f"symbolic size expression {e} ({name})")
+
+
+def _positive_size(e: Any) -> bool:
+    """A sum/product with positive coefficients of backed size symbols (s0, s1, ...: >= 2)."""
+    import sympy
+    if isinstance(e, sympy.Symbol):
+        return e.name.startswith("s")
+    if isinstance(e, sympy.Integer):
+        return int(e) >= 1
+    if isinstance(e, (sympy.Add, sympy.Mul)):
+        return all(_positive_size(a) for a in e.args)
+    if isinstance(e, sympy.Pow):
+        return isinstance(e.exp, sympy.Integer) and int(e.exp) >= 1 and _positive_size(e.base)
+    return False
 
 
 def meta_val(node: fx.Node) -> Any:

@@ -192,7 +192,6 @@ _SIZE_ARGS: dict[Any, frozenset] = {}
 # new_zeros, ...), SymInt slice/narrow/select bounds, and arange's `end` (a Scalar).
 _LIFTABLE = {"size", "shape", "start", "end", "length", "index"}
 _LIFTABLE_TYPES = ("SymInt[]", "SymInt[]?", "SymInt", "SymInt?")
-_FREE = {"size", "shape"}    # arguments whose other ints become graph inputs (see _lift)
 
 
 def _size_args(func: Any) -> frozenset:
@@ -212,36 +211,40 @@ def _size_args(func: Any) -> frozenset:
     return names
 
 
-def _lift(value: Any, cands: list, in_list: bool) -> Any:
-    """Replace every int of a size-like argument by an IntSlot; record (value, inside a
-    `size=` list, that list infers a dim from -1)."""
+def _lift(value: Any, cands: list, index: bool, free_ok: bool = True) -> Any:
+    """Replace every int of a size-like argument by an IntSlot; record (value, whether it may
+    become a graph input of its own, whether it is an index or bound rather than a size).
+    Not free: ints inside a size list that infers a dim from -1, where a free symbol gives
+    the core expressions such as Max(1, 64 // s3)."""
     tp = type(value)
     if tp is int:
-        cands.append((value, in_list and in_list is not _INFERRED))
+        cands.append((value, free_ok, index))
         return IntSlot(len(cands) - 1)
     if tp is list or tp is tuple:
-        mark = _INFERRED if in_list and -1 in value else in_list
-        return tp([_lift(x, cands, mark) for x in value])
+        free_ok = free_ok and -1 not in value
+        return tp([_lift(x, cands, index, free_ok) for x in value])
     return value
 
 
-_INFERRED = object()     # marks a size list with a -1
+_INDEX_ARGS = {"start", "end", "index"}
+_MAX_FREE = 1 << 31      # larger ints (a slice's "to the end") stay constants
 
 
 def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
-    """How each candidate int is made in a symbolic graph compiled for this call:
+    """How each lifted int is made in a symbolic graph compiled for this call, in order of
+    preference:
 
-    * ("leaf", dims): the int equals a size of a leaf, or a product of adjacent ones
-      (`view(b * s, ...)`), and is taken from there: it is (almost always) the batch or
-      sequence length flowing from the inputs into `view`, `arange` or slicing, and the graph
-      is traced with the leaf's symbol;
-    * ("free",): another int of a `size=` list (`view(2 * b, ...)`) becomes a graph input of
-      its own, unless the list infers a dim from -1: a free symbol there gives the core
-      expressions such as Max(1, 64 // s3);
-    * ("const", v): -1, 0, 1, a head count, slice bounds that match no size.
+    * ("leaf", dims, off): the int is a size of a leaf (or a product of adjacent sizes:
+      `view(b * s, ...)`) plus `off` (0; for indices and bounds also -1/+1: `x[:, s - 1]`,
+      `mask[..., :s + 1]`): the batch or sequence length flowing from the inputs into
+      `view`, `arange` or slicing, traced as the leaf's own symbol;
+    * ("same", j, off): an earlier lifted int plus `off` (the same length used twice in a
+      graph with no input tensor to take it from: `arange(s)` then `expand(b, s)`);
+    * ("free",): a graph input of its own (`view(2 * b, ...)`, `arange(n)`);
+    * ("const", v): -1, 0, 1, huge ints, and ints inside a size list with a -1.
 
-    A constant that merely equals a leaf size in this call (a head count equal to the batch)
-    is read as a size; `_free_ints` checks a pattern against every later call, so such a
+    A constant that merely equals a size in this call (a head count equal to the batch) is
+    read as a size; `_free_ints` checks a pattern against every later call, so such a
     coincidence only costs a miss, never a wrong hit.  Parameters keep their sizes from call
     to call: they are never the source."""
     sizes: dict[int, tuple] = {}
@@ -253,32 +256,55 @@ def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
                     n = math.prod(shape[d:d + span])
                     if n >= 2 and n not in sizes:
                         sizes[n] = tuple((i, e) for e in range(d, d + span))
-    out = []
-    for value, free in cands:
-        dims = sizes.get(value)
-        if dims is not None:
-            out.append(("leaf", dims))
-        elif free and value >= 2:
-            out.append(("free",))
-        else:
-            out.append(("const", value))
+    seen: dict[int, int] = {}          # value -> first lifted (non-constant) int with it
+    out: list[tuple] = []
+    for j, (value, free_ok, index) in enumerate(cands):
+        how: tuple = ("const", value)
+        if 2 <= value < _MAX_FREE:
+            # (offsets only for indices: small sizes +-1 would match head counts too often)
+            for off in (0, -1, 1) if index else (0,):
+                if value - off in sizes:
+                    how = ("leaf", sizes[value - off], off)
+                    break
+                if value - off in seen:
+                    how = ("same", seen[value - off], off)
+                    break
+            else:
+                if free_ok:
+                    how = ("free",)
+        if how[0] != "const" and value not in seen:
+            seen[value] = j
+        out.append(how)
     return tuple(out)
+
+
+def _int_values(pattern: tuple, leaf_sizes: Callable[[int, int], Any], free: Any) -> list:
+    """The ints of a pattern: leaf sizes from `leaf_sizes(leaf, dim)` (symbolic while
+    tracing), free ones from the iterator `free`."""
+    vals: list = []
+    for how in pattern:
+        kind = how[0]
+        if kind == "const":
+            vals.append(how[1])
+        elif kind == "free":
+            vals.append(next(free))
+        elif kind == "leaf":
+            vals.append(math.prod(leaf_sizes(i, d) for i, d in how[1]) + how[2])
+        else:
+            vals.append(vals[how[1]] + how[2])
+    return vals
 
 
 def _free_ints(pattern: tuple, cands: list, leaves: list) -> list[int] | None:
     """The free ints of this call under `pattern`, or None if the call's ints do not follow it
-    (a constant that differs, an int that is no longer that product of leaf sizes)."""
-    ints = []
-    for how, (value, _) in zip(pattern, cands):
-        kind = how[0]
-        if kind == "free":
-            ints.append(value)
-        elif kind == "leaf":
-            if math.prod(leaves[i].shape[d] for i, d in how[1]) != value:
-                return None
-        elif how[1] != value:
-            return None
-    return ints
+    (a constant that differs, an int that is no longer that size)."""
+    free = [c[0] for how, c in zip(pattern, cands) if how[0] == "free"]
+    if any(v < 2 for v in free):          # traced as >= 2
+        return None
+    want = _int_values(pattern, lambda i, d: leaves[i].shape[d], iter(free))
+    if len(want) != len(cands) or any(w != c[0] for w, c in zip(want, cands)):
+        return None
+    return free
 
 
 def _tkey(template: Any) -> Any:
@@ -308,9 +334,9 @@ def _abstract(order: list["LazyNode"], codes: list[list]) -> tuple[list, list, t
         names = _size_args(n.func)
         if names:
             positional = [a.name for a in n.func._schema.arguments if not a.kwarg_only]
-            targs = tuple(_lift(a, cands, positional[i] in _FREE) if i < len(positional)
+            targs = tuple(_lift(a, cands, positional[i] in _INDEX_ARGS) if i < len(positional)
                           and positional[i] in names else a for i, a in enumerate(targs))
-            tkwargs = {k: _lift(v, cands, k in _FREE) if k in names else v for k, v in tkwargs.items()}
+            tkwargs = {k: _lift(v, cands, k in _INDEX_ARGS) if k in names else v for k, v in tkwargs.items()}
         steps.append((n.func, targs, tkwargs, n.container, refs))
         key.append((n.func, _tkey(targs), _tkey(tkwargs), tuple(refs)))
     return steps, cands, tuple(key)
@@ -345,9 +371,10 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
         # cached entry built from it keeps no leaf alive.
         def replay(*vals: Any) -> tuple:
             leaf_vals, free = vals[:nleaves], iter(vals[nleaves:])
-            # a lifted int: a product of leaf sizes (symbolic when tracing), a free input, a constant
-            int_vals = [how[1] if how[0] == "const" else next(free) if how[0] == "free"
-                        else math.prod(leaf_vals[i].shape[d] for i, d in how[1]) for how in pattern]
+            for v in vals[nleaves:]:
+                # free ints are >= 2 (see _pattern, _free_ints), like a tensor's sizes
+                torch._check(v >= 2)
+            int_vals = _int_values(pattern, lambda i, d: leaf_vals[i].shape[d], free)
             env: list[list] = []
             for func, targs, tkwargs, container, refs in steps:
                 tensors = [env[r[0]][r[1]] if type(r) is tuple else leaf_vals[r] for r in refs]

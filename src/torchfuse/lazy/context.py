@@ -33,6 +33,8 @@ from .tensor import LazyTensor
 log = logging.getLogger("torchfuse.lazy")
 
 DEFAULT_MAX_NODES = 512
+# On CUDA a block flushes what is pending every this many recorded ops (see `lazy(pipeline_ops=)`)
+DEFAULT_CUDA_PIPELINE_OPS = 128
 MAX_LOG = 20000
 _ids = itertools.count()
 
@@ -120,7 +122,7 @@ class LazyContext:
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None, max_nodes: int = DEFAULT_MAX_NODES,
-                 defer_matmuls: bool = True, dynamic: bool | None = True):
+                 defer_matmuls: bool = True, dynamic: bool | None = True, pipeline_ops: int | None = None):
         self.config = _config(options)
         self.token = config_token(self.config)  # the config's part of compiled-graph cache keys
         self.max_nodes = max_nodes
@@ -132,6 +134,10 @@ class LazyContext:
         self.report = Explanation()
         self.live: list[weakref.ref] = []       # wrappers handed out while pending
         self.recorded = 0                       # estimate of the pending graph's size (see mode)
+        # flush every this many recorded ops: (on CUDA devices, on every device)
+        auto = pipeline_ops is None
+        self.pipeline_ops = (DEFAULT_CUDA_PIPELINE_OPS if auto else pipeline_ops) or max_nodes
+        self.pipeline_cpu = not auto
         self.id = next(_ids)
         self._entered: list[tuple[LazyMode, LazyMode | None]] = []
 
@@ -263,7 +269,8 @@ def _plain(t: LazyTensor) -> torch.Tensor:
 
 
 def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None,
-         max_nodes: int = DEFAULT_MAX_NODES, defer_matmuls: bool = True, dynamic: bool | None = True) -> Any:
+         max_nodes: int = DEFAULT_MAX_NODES, defer_matmuls: bool = True, dynamic: bool | None = True,
+         pipeline_ops: int | None = None) -> Any:
     """Eager micro-fusion: inside the block fusible aten ops are recorded and compiled in
     batches by torchfuse when their results are needed.
 
@@ -275,12 +282,17 @@ def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None
     `dynamic`: True compiles graphs with symbolic sizes (a new batch size compiles nothing);
     None compiles static sizes first and symbolic ones from a structure's second size on
     (static C++ kernels are faster); False compiles every size separately.
+    `pipeline_ops`: flush what is pending every this many recorded ops, so that a GPU runs the
+    kernels of one part of a long block (a model's first layers) while Python records the next
+    part; recording alone would leave it idle.  None (default): every
+    DEFAULT_CUDA_PIPELINE_OPS ops on CUDA, off on CPU (C++ kernels run on the recording
+    thread: nothing to overlap); 0: off; n: every n ops on every device.
     """
     if fn is not None:
         if not callable(fn):
             raise TypeError("torchfuse.lazy: pass options by keyword: torchfuse.lazy(options={...})")
-        return LazyContext(options, max_nodes, defer_matmuls, dynamic)(fn)
-    return LazyContext(options, max_nodes, defer_matmuls, dynamic)
+        return LazyContext(options, max_nodes, defer_matmuls, dynamic, pipeline_ops)(fn)
+    return LazyContext(options, max_nodes, defer_matmuls, dynamic, pipeline_ops)
 
 
 # --------------------------------------------------------------------------------------------

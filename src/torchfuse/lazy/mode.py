@@ -345,11 +345,19 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
     inputs = [_ref(t) for t in tensors]
     node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
                     plan.device, info.is_view, plan.dids)
-    if ctx.recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
+    recorded, why = ctx.recorded, None
+    if recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
         # Bound compile time and the size of one graph: compute everything that is pending
         # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
         # values still pending after it; `depth` catches one long chain).
-        ctx.flush_all("size limit")
+        why = "size limit"
+    elif recorded >= ctx.pipeline_ops and (plan.device.type == "cuda" or ctx.pipeline_cpu):
+        # Pipelining: compute what is pending now, so the GPU runs it while the rest of the
+        # block is recorded (see `lazy(pipeline_ops=)`).  The cut falls at the same op every
+        # iteration of a loop, so each part is a cache hit from the second iteration on.
+        why = "pipeline"
+    if why is not None:
+        ctx.flush_all(why)
         inputs = [_ref(t) for t in tensors]
         node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
                         plan.device, info.is_view, plan.dids)
