@@ -241,15 +241,20 @@ def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
     * ("same", j, off): an earlier lifted int plus `off` (the same length used twice in a
       graph with no input tensor to take it from: `arange(s)` then `expand(b, s)`);
     * ("free",): a graph input of its own (`view(2 * b, ...)`, `arange(n)`);
-    * ("const", v): -1, 0, 1, huge ints, and ints inside a size list with a -1.
+    * ("const", v): -1, 0, 1, huge ints, ints inside a size list with a -1, and ints equal
+      to a size of a parameter (a model's width: `view(b, s, 3 * hidden)`; as a free symbol it
+      would be unified with the weight's size and give the core expressions it cannot lower).
 
     A constant that merely equals a size in this call (a head count equal to the batch) is
     read as a size; `_free_ints` checks a pattern against every later call, so such a
     coincidence only costs a miss, never a wrong hit.  Parameters keep their sizes from call
     to call: they are never the source."""
     sizes: dict[int, tuple] = {}
+    fixed: set[int] = set()            # sizes of parameters: a model's widths
     for i, t in enumerate(leaves):
-        if type(t) is not torch.nn.Parameter:
+        if type(t) is torch.nn.Parameter:
+            fixed.update(t.shape)
+        else:
             shape = t.shape
             for span in range(1, len(shape) + 1):
                 for d in range(len(shape) - span + 1):
@@ -270,7 +275,7 @@ def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
                     how = ("same", seen[value - off], off)
                     break
             else:
-                if free_ok:
+                if free_ok and value not in fixed:
                     how = ("free",)
         if how[0] != "const" and value not in seen:
             seen[value] = j
