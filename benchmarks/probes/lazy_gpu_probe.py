@@ -11,8 +11,9 @@ Rows (each one independent: a failure prints its error and the probe goes on):
      torch.compile(backend="torchfuse"), steady state, with recompiles counted and the lazy
      call's host-only (enqueue) time next to its GPU time;
   4. GPT-2 small (12 layers, 768 wide, random weights, no_grad) at batch 1 seq 128 (host-bound)
-     and batch 8 seq 512 (GPU-bound): eager vs lazy (CUDA pipelining on, the default) vs
-     lazy(pipeline_ops=0) vs a dispatch mode that does nothing (the floor of the design),
+     and batch 8 seq 512 (GPU-bound): eager vs lazy (default: CUDA pipelining where the work is
+     large) vs lazy(pipeline_ops=0) (off) vs lazy(pipeline_ops=128) (always) vs a dispatch
+     mode that does nothing (the floor of the design),
      flushes/ops/kernels/host syncs per forward and first-call time; then new sequence
      lengths, graphs compiled per length.
 Prints a short table; with $OUT set writes lazy_gpu_probe.json (all numbers, errors, GPT-2's
@@ -223,7 +224,8 @@ def gpt2(device: str, quick: bool) -> None:
 
     for batch, seq in shapes:
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-        blocks = {"lazy": torchfuse.lazy(), "lazy_no_pipeline": torchfuse.lazy(pipeline_ops=0)}
+        blocks = {"lazy": torchfuse.lazy(), "lazy_no_pipeline": torchfuse.lazy(pipeline_ops=0),
+                  "lazy_pipeline_always": torchfuse.lazy(pipeline_ops=128)}
         if (batch, seq) == shapes[0]:
             blocks["lazy_eager_matmuls"] = torchfuse.lazy(defer_matmuls=False)
 
@@ -280,6 +282,10 @@ def gpt2(device: str, quick: bool) -> None:
         ROWS.append((f"  same, lazy(pipeline_ops=0)", f"{1e3 * t['eager']:.2f} ms",
                      f"{1e3 * t['lazy_no_pipeline']:.2f} ms", "-",
                      f"{t['eager'] / t['lazy_no_pipeline']:.2f}x eager; {profile['lazy_no_pipeline']['flushes']} flush(es)"))
+        ROWS.append((f"  same, lazy(pipeline_ops=128): pipelined whatever the work", f"{1e3 * t['eager']:.2f} ms",
+                     f"{1e3 * t['lazy_pipeline_always']:.2f} ms", "-",
+                     f"{t['eager'] / t['lazy_pipeline_always']:.2f}x eager; "
+                     f"{profile['lazy_pipeline_always']['flushes']} flush(es)"))
         ROWS.append((f"  same, a dispatch mode that does nothing", f"{1e3 * t['eager']:.2f} ms",
                      f"{1e3 * t['dispatch_mode_floor']:.2f} ms", "-",
                      f"{t['eager'] / t['dispatch_mode_floor']:.2f}x eager: the floor of interception at the dispatcher"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -233,6 +234,7 @@ class Plan:
     dids: tuple            # interned ids of the output layouts (keys of later plans)
     container: Any
     device: torch.device
+    work: int = 0          # elements written by the op (0 for views): see lazy(pipeline_ops=)
 
 
 _PLANS: dict[tuple, "Plan | str"] = {}
@@ -346,12 +348,14 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
     node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
                     plan.device, info.is_view, plan.dids)
     recorded, why = ctx.recorded, None
+    ctx.work += plan.work
     if recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
         # Bound compile time and the size of one graph: compute everything that is pending
         # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
         # values still pending after it; `depth` catches one long chain).
         why = "size limit"
-    elif recorded >= ctx.pipeline_ops and (plan.device.type == "cuda" or ctx.pipeline_cpu):
+    elif recorded >= ctx.pipeline_ops and (ctx.pipeline_cpu or (
+            plan.device.type == "cuda" and ctx.work >= ctx.pipeline_min_work)):
         # Pipelining: compute what is pending now, so the GPU runs it while the rest of the
         # block is recorded (see `lazy(pipeline_ops=)`).  The cut falls at the same op every
         # iteration of a loop, so each part is a cache hit from the second iteration on.
@@ -405,7 +409,8 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
     except Unrecordable as e:
         return str(e)
     dids = tuple(_did(d, device) for d in descs)
-    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device)
+    work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs)
+    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work)
 
 
 def _commit(ctx: "LazyContext", node: LazyNode) -> None:
