@@ -62,3 +62,31 @@ def test_cuda_gpt2():
             out = model(ids).logits
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert ctx.kernels >= 4
+
+
+def _layers(x: torch.Tensor, ws: list) -> torch.Tensor:
+    for w in ws:                                      # 5 recorded ops a layer
+        x = x + F.gelu(F.layer_norm(x, (x.shape[-1],)) @ w) * 0.5
+    return x.sum(-1)
+
+
+def test_cuda_pipelining_turns_on_for_large_work_and_stays_on():
+    torch.manual_seed(0)
+    ws = [torch.randn(256, 256, device="cuda") / 16 for _ in range(60)]
+    ctx = torchfuse.lazy()                            # default: pipelining where the work is large
+    small, large = torch.randn(4, 256, device="cuda"), torch.randn(32768, 256, device="cuda")
+
+    def reasons(x: torch.Tensor) -> list[str]:
+        n = len(ctx.flushes)
+        with ctx:
+            y = _layers(x, ws)
+        torch.testing.assert_close(y, _layers(x, ws), atol=2e-3, rtol=2e-3)
+        return [f.reason for f in ctx.flushes[n:]]
+
+    assert "pipeline" not in reasons(small)            # 300 ops writing ~0.3M elements
+    on = reasons(large)                                # ~2.5G elements: cut every 128 ops
+    assert on.count("pipeline") >= 2, on
+    assert reasons(small) == on                        # stays on: the same cuts for every size
+    before = counters["lazy_compiles"]
+    assert reasons(torch.randn(9, 256, device="cuda")) == on
+    assert counters["lazy_compiles"] == before         # a new size reuses every part

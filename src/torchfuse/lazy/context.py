@@ -143,7 +143,7 @@ class LazyContext:
         # flush every this many recorded ops: (on CUDA devices, on every device)
         auto = pipeline_ops is None
         self.pipeline_ops = (DEFAULT_CUDA_PIPELINE_OPS if auto else pipeline_ops) or max_nodes
-        self.pipeline_cpu = not auto
+        self.pipelining = not auto              # on: cut every pipeline_ops ops (see mode)
         self.pipeline_min_work = CUDA_PIPELINE_MIN_WORK
         self.id = next(_ids)
         self._entered: list[tuple[LazyMode, LazyMode | None]] = []
@@ -292,10 +292,11 @@ def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None
     (static C++ kernels are faster); False compiles every size separately.
     `pipeline_ops`: flush what is pending every this many recorded ops, so that a GPU runs the
     kernels of one part of a long block (a model's first layers) while Python records the next
-    part; recording alone would leave it idle.  None (default): on CUDA every
-    DEFAULT_CUDA_PIPELINE_OPS ops that write CUDA_PIPELINE_MIN_WORK elements or more (small
-    work is not worth an extra flush), off on CPU (C++ kernels run on the recording thread:
-    nothing to overlap); 0: off; n: every n ops on every device.
+    part; recording alone would leave it idle.  None (default): on CUDA, every
+    DEFAULT_CUDA_PIPELINE_OPS ops from the first time such a part writes
+    CUDA_PIPELINE_MIN_WORK elements or more (small work is not worth an extra flush; once on,
+    a block stays on, so its cuts do not move with the sizes); off on CPU (C++ kernels run on
+    the recording thread: nothing to overlap); 0: off; n: every n ops on every device.
     """
     if fn is not None:
         if not callable(fn):

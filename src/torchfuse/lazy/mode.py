@@ -354,11 +354,13 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
         # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
         # values still pending after it; `depth` catches one long chain).
         why = "size limit"
-    elif recorded >= ctx.pipeline_ops and (ctx.pipeline_cpu or (
+    elif recorded >= ctx.pipeline_ops and (ctx.pipelining or (
             plan.device.type == "cuda" and ctx.work >= ctx.pipeline_min_work)):
         # Pipelining: compute what is pending now, so the GPU runs it while the rest of the
-        # block is recorded (see `lazy(pipeline_ops=)`).  The cut falls at the same op every
-        # iteration of a loop, so each part is a cache hit from the second iteration on.
+        # block is recorded (see `lazy(pipeline_ops=)`).  Once on, a block stays on: the cut
+        # then falls at the same op every iteration of a loop, whatever the sizes, so each
+        # part is a cache hit from the second iteration (or new size) on.
+        ctx.pipelining = True
         why = "pipeline"
     if why is not None:
         ctx.flush_all(why)
