@@ -95,6 +95,10 @@ def _sympy_to_node(e: Any) -> Node:
         rest = [a for a in e.args if not isinstance(a, sympy.Integer)]
         if len(rest) == 1 and all(int(c) <= 1 for c in consts) and _positive_size(rest[0]):
             return _sympy_to_node(rest[0])
+        out = _sympy_to_node(e.args[0])
+        for a in e.args[1:]:
+            out = Node("maximum", (out, _sympy_to_node(a)), None, INDEX)
+        return out
     if name == "FloorDiv":
         return floordiv(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
     if name in ("Mod", "PythonMod"):

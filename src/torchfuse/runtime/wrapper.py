@@ -32,6 +32,8 @@ def py_index(n: Node) -> str:
         return f"({py_index(n.args[0])} // {py_index(n.args[1])})"
     if n.op == "mod":
         return f"({py_index(n.args[0])} % {py_index(n.args[1])})"
+    if n.op == "maximum":
+        return f"max({py_index(n.args[0])}, {py_index(n.args[1])})"
     raise ValueError(f"not an index expression: {n}")
 
 
