@@ -80,6 +80,22 @@ def test_tile_blocks():
     assert tile_blocks(3, 5)[:2] == (4, 8)
 
 
+def test_reduction_warps_by_row_length():
+    # measured on the H100 (BENCHMARKS.md): 32 warps only for the longest persistent rows
+    from types import SimpleNamespace
+
+    from torchfuse.runtime.triton_launch import PERSISTENT_LIMIT, _reduction_plan
+    kernel = SimpleNamespace(fn=SimpleNamespace(__module__="not_tuned", __name__="k"))
+
+    def warps(rows: int, cols: int) -> int:
+        plan = _reduction_plan(kernel, kernel, rows, cols, False, False, ())
+        assert plan[0] is kernel
+        return plan[4]
+    assert warps(4096, PERSISTENT_LIMIT) == 32
+    assert warps(8192, 16384) == 16
+    assert warps(16384, 1000) <= 4
+
+
 def test_dynamic_shapes(tf):
     fn = lambda x: x.t().contiguous() + 1  # noqa: E731
     tf_compiled = __import__("torchfuse").compile(fn, dynamic=True, options={**TRITON, "strict": True})
