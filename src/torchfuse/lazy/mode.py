@@ -175,8 +175,13 @@ def _make_info(func: Any) -> OpInfo:
 def dispatch(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict) -> Any:
     info = _INFO.get(id(func)) or op_info(func)
     why = None
-    if info.free_on_real and type(args[0]) is not LazyTensor:
-        return func(*args, **kwargs)        # a view of a real tensor: free, nothing to record
+    if info.free_on_real:
+        a0 = args[0]
+        if type(a0) is not LazyTensor:
+            return func(*args, **kwargs)    # a view of a real tensor: free, nothing to record
+        if a0._lz_real is not None and not any(type(a) is LazyTensor for a in args[1:]):
+            # a view of a computed value (after a flush): the same, on its real tensor
+            return func(a0._lz_real, *args[1:], **kwargs)
     if info.fusible or (info.deferred_fallback and ctx.defer_matmuls):
         if ctx.forced_fallbacks and str(func) in ctx.forced_fallbacks:
             why = "in options['fallback_ops']"
