@@ -6,9 +6,9 @@ A program is straight-line Python over 1-4 input tensors: chains and DAGs of poi
 (with broadcasting and Python scalars), views (permute, transpose, slice, select, expand,
 reshape, squeeze/unsqueeze, flip), reductions (sum, mean, amax, prod, argmax, var, softmax, ...),
 casts, `cat`, and in-place ops (on inputs, intermediates and views of them).  Inputs have random
-shapes (size-1 and odd sizes), dtypes (float32, float64, int32, int64, bool) and layouts
-(contiguous, transposed, step-sliced, offset, expanded).  Every op is run eagerly while the
-program is drawn, so only programs that eager PyTorch accepts are generated.
+shapes (size-1 and odd sizes), dtypes (float32, float64, float16, bfloat16, int32, int64, bool)
+and layouts (contiguous, transposed, step-sliced, offset, expanded).  Every op is run eagerly
+while the program is drawn, so only programs that eager PyTorch accepts are generated.
 
 Index remapping that is not a view (roll, pad, tril/triu, index_select, gather, repeat) is
 drawn too, and half of the programs are compiled with `parallel_threshold=1`, so that every
@@ -36,9 +36,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-FLOATS = ("float32", "float64")
 INTS = ("int32", "int64")
-DTYPES = ("float32", "float32", "float64", "int32", "int64", "bool")
+DTYPES = ("float32", "float32", "float64", "float16", "bfloat16", "int32", "int64", "bool")
 LAYOUTS = ("contiguous", "transposed", "strided", "offset", "expanded")
 SIZES = (5, 1, 3, 7, 2, 8, 4, 6, 16, 1)
 RANKS = (2, 3, 1, 4, 0, 2, 3)
@@ -402,7 +401,8 @@ REDUCE = ["{x}.sum({dims})", "{x}.sum(dim={dims}, keepdim={keep})", "{x}.float()
           "{x}.sum({dims}).float() / 3", "({x} - {x}.float().mean({dims}, keepdim=True))"]
 CASTS = ["{x}.to(torch.float32)", "{x}.double()", "{x}.bool()", "{x}.to(torch.int64)",
          "torch.nan_to_num({x}.double()).clamp(-1000, 1000).to(torch.int32)", "{x}.float() * 1.0",
-         "{x}.to(torch.float64).to(torch.float32)"]
+         "{x}.to(torch.float64).to(torch.float32)", "{x}.float().clamp(-1000, 1000).half()",
+         "{x}.float().bfloat16()", "{x}.half().float()"]
 
 
 def _numel(shape: Sequence[int]) -> int:
