@@ -273,3 +273,20 @@ def test_mixed_radix_index_bounded_by_symbolic_sizes():
     for v0, v1, v2 in itertools.product(range(3), range(5), range(4)):     # s1, s2, s3 = 3, 5, 4
         env = {"s1": 3, "s2": 5, "s3": 4, "x0": v0, "x1": v1, "x2": v2}
         assert c_eval(m, env) == (v0 + 3 * v1 + 15 * v2) % 60
+
+
+def test_symbolic_max_in_sizes():
+    # Max appears in strides of symbolic views (Max(1, 768 // s0) for a dim inferred from -1)
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    from torchfuse.ir.lowering import sym_to_node
+    from torchfuse.runtime.wrapper import py_index
+    s0, s1 = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("s1", integer=True, positive=True)
+    # Max(1, a product of backed sizes) is the product itself (sizes are >= 2)
+    assert sym_to_node(sympy.Max(1, s0 * s1)) == sym_to_node(s0 * s1)
+    # otherwise an index maximum, evaluated on the host and in kernels alike
+    n = sym_to_node(sympy.Max(1, FloorDiv(768, s0)))
+    assert n.op == "maximum"
+    expr = py_index(n)
+    assert eval(expr, {"s0": 64}) == 12 and eval(expr, {"s0": 1000}) == 1

@@ -94,6 +94,27 @@ def test_new_lengths_of_a_graph_without_input_tensors():
     assert compiles == [1, 0, 0, 0, 0], compiles
 
 
+def heads(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # the head size 64 of the view is also a size of the input `k`, so the graph takes it from
+    # there (a symbol, not a constant) and infers the head count as 256 // s: new batch sizes
+    # and lengths must still reuse the graph (GPT-2's attention between two pipelined parts
+    # looks like this; test_nodes.py checks the Max(1, 256 // s) it can produce)
+    b, s, _ = x.shape
+    q = x.view(b, s, -1, 64).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, k).transpose(1, 2).reshape(b, s, -1) * 2
+
+
+def test_view_inferring_a_dim_from_a_symbolic_size():
+    f = torchfuse.lazy(heads, options={"strict": True})
+    compiles = []
+    for b, s in [(2, 5), (3, 7), (5, 9)]:
+        x, k = torch.randn(b, s, 256), torch.randn(b, 4, s, 64)
+        before = snap()
+        torch.testing.assert_close(f(x, k), heads(x, k))
+        compiles.append(delta(before)["lazy_compiles"])
+    assert compiles == [1, 0, 0], compiles
+
+
 def test_dynamic_auto_and_off():
     torch.manual_seed(0)
     w, b = torch.randn(16), torch.randn(16)
