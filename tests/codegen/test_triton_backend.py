@@ -94,6 +94,25 @@ def test_long_rows_use_the_looped_kernel(tf):
     _check(tf, lambda t: (torch.softmax(t, -1), t.sum(-1), t.argmax(-1)), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_online_softmax(tf, dtype):
+    # rows past the persistent limit: max and sum(exp(x - max)) in one online pass; -inf,
+    # +inf, NaN and an all -inf row must come out as eager's two-pass form gives them
+    from torchfuse.runtime import triton_launch
+    n = triton_launch.PERSISTENT_LIMIT + 3001
+    x = tf.rand((5, n)).to(dtype) * 4
+    x[0, 7], x[0, n - 1] = float("-inf"), float("-inf")
+    x[1, 100] = float("nan")
+    x[2, 5] = float("inf")
+    x[3] = float("-inf")
+    x[4, :n // 2] = float("-inf")            # -inf first, finite later: the running max grows
+    t = torch.randint(0, n, (5,))
+    e = _check(tf, lambda a: (torch.softmax(a, -1), torch.log_softmax(a.float(), -1)), x)
+    assert any("tl.exp(acc_" in k.source for k in e.kernels), [k.source for k in e.kernels]
+    y = tf.rand((6, n)) * 3
+    _check(tf, lambda a, b: F.cross_entropy(a, b), y, t[:5].repeat(2)[:6])
+
+
 def test_training_step_gradients(tf):
     x = tf.rand((4, 16)).requires_grad_()
     w = tf.rand((16,)).requires_grad_()

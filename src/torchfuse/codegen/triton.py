@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from ..ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
+from ..ir.nodes import INDEX, Node, free_syms, load, loads, to_text, walk
 from ..scheduler.loops import LoopPlan, _stride_of
 from .common import ExprEmitter
 
@@ -469,13 +469,71 @@ def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
             em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {v}.to({STORE_TL[m.buffer.dtype]}), {mask})")
 
 
+def _online_pair(stage, nxt) -> bool:
+    """A max stage followed by a sum of exp(x - max) over the same x (softmax, log-softmax,
+    cross entropy): the looped variant computes both in one pass over the row."""
+    if nxt is None or stage.kind != "reduce" or nxt.kind != "reduce" or len(stage.members) != 1 \
+            or len(nxt.members) != 1:
+        return False
+    m, n = stage.members[0], nxt.members[0]
+    # fp32 throughout: a max rounded to a low-precision buffer would differ from the one the
+    # online sum was scaled by
+    if m.buffer.reduction_op != "max" or n.buffer.reduction_op != "sum" or \
+            any(t != torch.float32 for t in (m.body.dtype, n.body.dtype, m.buffer.dtype, n.buffer.dtype)):
+        return False
+    e = n.body
+    if e.op != "exp" or e.args[0].op != "sub":
+        return False
+    x, r = e.args[0].args
+    return x == m.body and r.op == "load" and r.arg == m.buffer.name and r.args[0] == m.store
+
+
+def _emit_online(em: TritonEmitter, plan: LoopPlan, stage, nxt) -> None:
+    """Online softmax (Milakov & Gimelshein): per lane a running max m and a running sum s of
+    exp(x - m), rescaled when m grows; the row's sum is sum(s * exp(m - M)) for the row max M.
+    A lane whose max is still -inf has seen only -inf (or masked) values: it adds 0, and the
+    final 0 * exp(-inf - M) is 0 for a finite M and NaN for an all -inf row, as in eager mode
+    (x - max is NaN there).  NaN and +inf propagate as in the two-pass form."""
+    m, n = stage.members[0], nxt.members[0]
+    acc_m, acc_s = f"acc_{m.buffer.name}", f"acc_{n.buffer.name}"
+    em.line(f"{acc_m} = tl.full([XBLOCK, RBLOCK], -1e999, tl.float32)")
+    em.line(f"{acc_s} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
+    em.line("for roffset in range(0, rnumel, RBLOCK):")
+    em.indent += 1
+    em.push()
+    em.line("rindex = roffset + rbase")
+    em.line("rmask = rindex < rnumel")
+    _unflatten(em, "rindex", plan.inner, "y")
+    em.mask = "xmask & rmask"
+    v = em.tmp(f"tl.where(xmask & rmask, {em.value(m.body)}, -1e999)")
+    new = em.tmp(f"_max_nan({acc_m}, {v})")
+    scale = em.tmp(f"tl.where({new} == {acc_m}, 1.0, tl.exp({acc_m} - {new}))")
+    term = em.tmp(f"tl.where({new} == -1e999, 0.0, tl.exp({v} - {new}))")
+    em.line(f"{acc_s} = {acc_s} * {scale} + {term}")
+    em.line(f"{acc_m} = {new}")
+    em.pop()
+    em.indent -= 1
+    _finish_reduction(em, plan, m, None, acc_m)
+    row_max = em.local_of(load(m.buffer.name, m.store, torch.float32))
+    _finish_reduction(em, plan, n, None, None, result=f"tl.sum({acc_s} * tl.exp({acc_m} - {row_max}), 1)[:, None]")
+
+
 def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) -> None:
     full_mask = "xmask & rmask"
     if persistent:
         em.line("rindex = rbase")
         em.line("rmask = rindex < rnumel")
         _unflatten(em, "rindex", plan.inner, "y")
-    for stage in plan.stages:
+    stages = list(plan.stages)
+    skip = False
+    for i, stage in enumerate(stages):
+        if skip:
+            skip = False
+            continue
+        if not persistent and _online_pair(stage, stages[i + 1] if i + 1 < len(stages) else None):
+            _emit_online(em, plan, stage, stages[i + 1])
+            skip = True
+            continue
         if stage.kind == "outer":
             em.mask = "xmask"
             _emit_values(em, plan, stage.members, "xmask")
@@ -552,9 +610,12 @@ def _row_reduce(op: str, dt: torch.dtype, v: str, em: TritonEmitter) -> str:
     raise NotImplementedError(op)
 
 
-def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: str | None) -> None:
+def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: str | None,
+                      result: str | None = None) -> None:
     op, dt = m.buffer.reduction_op, m.body.dtype
-    if acc is None:
+    if result is not None:          # computed by the caller (online softmax)
+        result = em.tmp(result)
+    elif acc is None:
         acc = em.tmp(f"tl.where(xmask & rmask, {v}, {_init(op, dt)})")
         idx = "rindex"
     else:
@@ -566,7 +627,7 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
         best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
         idx_full = em.tmp(f"tl.broadcast_to({idx}, [XBLOCK, RBLOCK])" if idx == "rindex" else idx)
         result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None].to(tl.int64)")
-    else:
+    elif result is None:
         result = em.tmp(_row_reduce(op, dt, acc, em))
     value = em.tmp(f"{result}.to({STORE_TL[m.buffer.dtype]}).to({TL[m.buffer.dtype]})")
     em.bind_local(m.buffer.name, m.store, value)
