@@ -469,6 +469,21 @@ def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
             em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {v}.to({STORE_TL[m.buffer.dtype]}), {mask})")
 
 
+def _open_row_loop(em: TritonEmitter, plan: LoopPlan) -> None:
+    """Start a loop over the reduced dim in RBLOCK chunks (the looped variant's stages)."""
+    em.line("for roffset in range(0, rnumel, RBLOCK):")
+    em.indent += 1
+    em.push()
+    em.line("rindex = roffset + rbase")
+    em.line("rmask = rindex < rnumel")
+    _unflatten(em, "rindex", plan.inner, "y")
+
+
+def _close_row_loop(em: TritonEmitter) -> None:
+    em.pop()
+    em.indent -= 1
+
+
 def _online_pair(stage, nxt) -> bool:
     """A max stage followed by a sum of exp(x - max) over the same x (softmax, log-softmax,
     cross entropy): the looped variant computes both in one pass over the row."""
@@ -498,12 +513,7 @@ def _emit_online(em: TritonEmitter, plan: LoopPlan, stage, nxt) -> None:
     acc_m, acc_s = f"acc_{m.buffer.name}", f"acc_{n.buffer.name}"
     em.line(f"{acc_m} = tl.full([XBLOCK, RBLOCK], -1e999, tl.float32)")
     em.line(f"{acc_s} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
-    em.line("for roffset in range(0, rnumel, RBLOCK):")
-    em.indent += 1
-    em.push()
-    em.line("rindex = roffset + rbase")
-    em.line("rmask = rindex < rnumel")
-    _unflatten(em, "rindex", plan.inner, "y")
+    _open_row_loop(em, plan)
     em.mask = "xmask & rmask"
     v = em.tmp(f"tl.where(xmask & rmask, {em.value(m.body)}, -1e999)")
     new = em.tmp(f"_max_nan({acc_m}, {v})")
@@ -511,8 +521,7 @@ def _emit_online(em: TritonEmitter, plan: LoopPlan, stage, nxt) -> None:
     term = em.tmp(f"tl.where({new} == -1e999, 0.0, tl.exp({v} - {new}))")
     em.line(f"{acc_s} = {acc_s} * {scale} + {term}")
     em.line(f"{acc_m} = {new}")
-    em.pop()
-    em.indent -= 1
+    _close_row_loop(em)
     _finish_reduction(em, plan, m, None, acc_m)
     row_max = em.local_of(load(m.buffer.name, m.store, torch.float32))
     _finish_reduction(em, plan, n, None, None, result=f"tl.sum({acc_s} * tl.exp({acc_m} - {row_max}), 1)[:, None]")
@@ -540,12 +549,7 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
             continue
         if not persistent:
             accs = _open_accumulators(em, stage) if stage.kind == "reduce" else []
-            em.line("for roffset in range(0, rnumel, RBLOCK):")
-            em.indent += 1
-            em.push()
-            em.line("rindex = roffset + rbase")
-            em.line("rmask = rindex < rnumel")
-            _unflatten(em, "rindex", plan.inner, "y")
+            _open_row_loop(em, plan)
         em.mask = full_mask
         if stage.kind == "inner":
             _emit_values(em, plan, stage.members, full_mask)
@@ -556,8 +560,7 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
             for m, acc in accs:
                 _accumulate(em, m, em.value(m.body), acc)
         if not persistent:
-            em.pop()
-            em.indent -= 1
+            _close_row_loop(em)
             if stage.kind == "reduce":
                 for m, acc in accs:
                     _finish_reduction(em, plan, m, None, acc)
