@@ -43,7 +43,7 @@ import torchfuse  # noqa: E402
 from torchfuse import counters  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from lazy_bench import sync, timeit  # noqa: E402  (the same round-robin median timing)
+from lazy_bench import interception_overhead, sync, timeit  # noqa: E402  (the same measurements)
 
 START = time.perf_counter()
 BUDGET_S = 420.0
@@ -70,27 +70,9 @@ def chain6(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 def per_op(device: str, quick: bool) -> None:
-    ops = {"add scalar": lambda a, b: a + 1.0, "mul tensor": lambda a, b: a * b, "relu": lambda a, b: a.relu(),
-           "sum(-1)": lambda a, b: a.sum(-1), "view": lambda a, b: a.view(-1)}
-    x, y = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
     n, reps = (100, 5) if quick else (200, 11)
     out = {}
-    for name, op in ops.items():
-        eager, lazy = [], []
-        for _ in range(reps):
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                op(x, y)
-            sync(device)
-            eager.append((time.perf_counter() - t0) / n)
-            with torchfuse.lazy(max_nodes=10 * n):
-                a, b = x + 0.0, y * 1.0
-                t0 = time.perf_counter()
-                outs = [op(a, b) for _ in range(n)]
-                lazy.append((time.perf_counter() - t0) / n)
-                del outs
-        e, lz = 1e6 * statistics.median(eager), 1e6 * statistics.median(lazy)
+    for name, e, lz in interception_overhead(device, n, reps):
         out[name] = {"eager_us": e, "lazy_record_us": lz}
         ROWS.append((f"overhead/op: {name}", f"{e:.1f} us", f"{lz:.1f} us", "-", "recording only (host)"))
     DETAILS["per_op"] = out
@@ -279,14 +261,14 @@ def gpt2(device: str, quick: bool) -> None:
                      f"{t['eager'] / t['lazy']:.2f}x eager (overhead {100 * (t['lazy'] / t['eager'] - 1):+.0f}%, "
                      f"anchor +38%); {p['flushes']} flushes, {p['ops']} ops, {p['kernel_launches']} kernels; "
                      f"{len(p['host_syncs'] or [])} host syncs; first call {first['lazy']:.1f} s"))
-        ROWS.append((f"  same, lazy(pipeline_ops=0)", f"{1e3 * t['eager']:.2f} ms",
+        ROWS.append(("  same, lazy(pipeline_ops=0)", f"{1e3 * t['eager']:.2f} ms",
                      f"{1e3 * t['lazy_no_pipeline']:.2f} ms", "-",
                      f"{t['eager'] / t['lazy_no_pipeline']:.2f}x eager; {profile['lazy_no_pipeline']['flushes']} flush(es)"))
-        ROWS.append((f"  same, lazy(pipeline_ops=128): pipelined whatever the work", f"{1e3 * t['eager']:.2f} ms",
+        ROWS.append(("  same, lazy(pipeline_ops=128): pipelined whatever the work", f"{1e3 * t['eager']:.2f} ms",
                      f"{1e3 * t['lazy_pipeline_always']:.2f} ms", "-",
                      f"{t['eager'] / t['lazy_pipeline_always']:.2f}x eager; "
                      f"{profile['lazy_pipeline_always']['flushes']} flush(es)"))
-        ROWS.append((f"  same, a dispatch mode that does nothing", f"{1e3 * t['eager']:.2f} ms",
+        ROWS.append(("  same, a dispatch mode that does nothing", f"{1e3 * t['eager']:.2f} ms",
                      f"{1e3 * t['dispatch_mode_floor']:.2f} ms", "-",
                      f"{t['eager'] / t['dispatch_mode_floor']:.2f}x eager: the floor of interception at the dispatcher"))
         if "lazy_eager_matmuls" in t:

@@ -14,17 +14,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 import time
 
-_tmp = tempfile.mkdtemp(prefix="tf-probe-")
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_tmp, "inductor"))
-os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_tmp, "triton"))
-os.environ.setdefault("TORCHFUSE_CACHE_DIR", os.path.join(_tmp, "torchfuse"))
-
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gpu_bench  # noqa: E402  (fresh Inductor/Triton/torchfuse caches, set before torch is imported)
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
 import torchfuse  # noqa: E402
 import torchfuse.codegen.triton as tgen  # noqa: E402
 
@@ -35,31 +31,16 @@ M = 64 if SMOKE else 1 << 20     # "64M" is 4096 elements in smoke mode
 D = 128 if SMOKE else 8192
 
 
-def _sync() -> None:
-    if not SMOKE:
-        torch.cuda.synchronize()
-
-
 def bench(fn, *args, reps: int = 15, inner: int = 10) -> float:
+    """gpu_bench's CUDA-event median; in smoke mode (CPU) a wall-clock mean of `inner` calls."""
+    if not SMOKE:
+        return gpu_bench.bench(fn, *args, reps=reps, inner=inner)
     for _ in range(3):
         fn(*args)
-    _sync()
-    if SMOKE:
-        t = time.perf_counter()
-        for _ in range(inner):
-            fn(*args)
-        return (time.perf_counter() - t) / inner * 1e3
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(inner):
-            fn(*args)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / inner)
-    times.sort()
-    return times[len(times) // 2]
+    t = time.perf_counter()
+    for _ in range(inner):
+        fn(*args)
+    return (time.perf_counter() - t) / inner * 1e3
 
 
 def rnd(*shape, dtype=torch.float32):
