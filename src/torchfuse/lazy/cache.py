@@ -215,7 +215,7 @@ def _lift(value: Any, cands: list, index: bool, free_ok: bool = True) -> Any:
     """Replace every int of a size-like argument by an IntSlot; record (value, whether it may
     become a graph input of its own, whether it is an index or bound rather than a size).
     Not free: ints inside a size list that infers a dim from -1, where a free symbol gives
-    the core expressions such as Max(1, 64 // s3)."""
+    strides such as Max(1, 64 // s3), evaluated at run time in every index."""
     tp = type(value)
     if tp is int:
         cands.append((value, free_ok, index))
@@ -243,7 +243,7 @@ def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
     * ("free",): a graph input of its own (`view(2 * b, ...)`, `arange(n)`);
     * ("const", v): -1, 0, 1, huge ints, ints inside a size list with a -1, and ints equal
       to a size of a parameter (a model's width: `view(b, s, 3 * hidden)`; as a free symbol it
-      would be unified with the weight's size and give the core expressions it cannot lower).
+      would be unified with the weight's size: guards and run-time Max/FloorDiv in indices).
 
     A constant that merely equals a size in this call (a head count equal to the batch) is
     read as a size; `_free_ints` checks a pattern against every later call, so such a
@@ -392,6 +392,10 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
         with torch.no_grad(), _no_duck_shapes():
             return make_fx(replay, decomposition_table=decomposition_table(), tracing_mode=mode)(*args)
 
+    # the nodes' own templates, nothing lifted: the static graph and the eager check of a symbolic one
+    static_steps = [(n.func, n.targs, n.tkwargs, n.container, st[4]) for n, st in zip(order, steps)]
+    replay = replay_of(static_steps)
+
     # 1. symbolic sizes: one graph for every size its guards accept
     report = Explanation()
     try:
@@ -410,8 +414,7 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
         for w in caught:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         guard = _guards(vals)
-        static_steps = [(n.func, n.targs, n.tkwargs, n.container, st[4]) for n, st in zip(order, steps)]
-        _validate(call, replay_of(static_steps), leaves, ints)
+        _validate(call, replay, leaves, ints)
         return _done(Compiled(call, len(report.kernels), _name(report), True, guard, pattern), report, order, ctx)
     except Exception as e:
         # Also in strict mode: only the static attempt's failure is final.
@@ -421,8 +424,6 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
 
     # 2. static sizes: this exact signature only (the nodes' own templates, nothing lifted)
     report = Explanation()
-    steps = [(n.func, n.targs, n.tkwargs, n.container, step[4]) for n, step in zip(order, steps)]
-    replay = replay_of(steps)
     try:
         gm = traced("fake", replay, list(leaves))
         call = compile_graph(gm, ctx.config, inference=True, kind="lazy", report=report)

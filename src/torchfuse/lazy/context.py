@@ -140,7 +140,8 @@ class LazyContext:
         self.recorded = 0                       # estimate of the pending graph's size (see mode)
         self.work = 0                           # elements written by the ops recorded since
                                                 # the last flush (pipelining, see mode)
-        # flush every this many recorded ops: (on CUDA devices, on every device)
+        # pipelining (see `lazy`): cut every `pipeline_ops` recorded ops; auto: on CUDA, from the
+        # first time a part's work reaches pipeline_min_work; explicit: always, on every device
         auto = pipeline_ops is None
         self.pipeline_ops = (DEFAULT_CUDA_PIPELINE_OPS if auto else pipeline_ops) or max_nodes
         self.pipelining = not auto              # on: cut every pipeline_ops ops (see mode)

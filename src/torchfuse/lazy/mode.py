@@ -349,18 +349,15 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
         _PLANS[k] = plan
     if type(plan) is str:
         return None, plan
-    inputs = [_ref(t) for t in tensors]
-    node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
-                    plan.device, info.is_view, plan.dids)
+    node = _new_node(func, info, plan, tensors)
     recorded, why = ctx.recorded, None
-    ctx.work += plan.work
     if recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
         # Bound compile time and the size of one graph: compute everything that is pending
         # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
         # values still pending after it; `depth` catches one long chain).
         why = "size limit"
     elif recorded >= ctx.pipeline_ops and (ctx.pipelining or (
-            plan.device.type == "cuda" and ctx.work >= ctx.pipeline_min_work)):
+            plan.device.type == "cuda" and ctx.work + plan.work >= ctx.pipeline_min_work)):
         # Pipelining: compute what is pending now, so the GPU runs it while the rest of the
         # block is recorded (see `lazy(pipeline_ops=)`).  Once on, a block stays on: the cut
         # then falls at the same op every iteration of a loop, whatever the sizes, so each
@@ -369,10 +366,14 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
         why = "pipeline"
     if why is not None:
         ctx.flush_all(why)
-        inputs = [_ref(t) for t in tensors]
-        node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
-                        plan.device, info.is_view, plan.dids)
+        node = _new_node(func, info, plan, tensors)   # its inputs are computed values now
+    ctx.work += plan.work
     return node, None
+
+
+def _new_node(func: Any, info: OpInfo, plan: "Plan", tensors: list) -> LazyNode:
+    return LazyNode(func, plan.targs, plan.tkwargs, [_ref(t) for t in tensors], plan.skey, plan.descs,
+                    plan.container, plan.device, info.is_view, plan.dids)
 
 
 def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | str":
