@@ -33,7 +33,6 @@ os.environ["TORCHFUSE_CACHE_DIR"] = os.path.join(_CACHE_ROOT, "torchfuse")
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402

@@ -1,6 +1,7 @@
 """Where does a whole model's GPU time go?  Inductor vs torchfuse, kernel by kernel (GPU probe).
 
     python benchmarks/probes/model_profile.py [--models gpt2-bf16,bert,vit] [--iters 3]
+    python benchmarks/probes/model_profile.py --models gpt2-train --options partitioner=default
 
 For each model: compile with Inductor and with torchfuse, warm up, profile a few iterations
 with torch.profiler and print the top CUDA kernels by time per iteration, plus torchfuse's
@@ -24,6 +25,7 @@ import torchfuse  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu_bench  # noqa: E402  (CUDA-event timing shared with the benchmark table)
+import gpu_blocks  # noqa: E402
 
 LINES: list[str] = []
 
@@ -40,6 +42,9 @@ def models() -> dict:
     ids = lambda v: (torch.randint(0, v, (8, 512), device="cuda"),)  # noqa: E731
     out["gpt2-bf16"] = (lambda: transformers.GPT2LMHeadModel(g).cuda().eval().bfloat16(), lambda: ids(50257))
     out["gpt2-fp32"] = (lambda: transformers.GPT2LMHeadModel(g).cuda().eval(), lambda: ids(50257))
+    # One training step (forward, loss, backward; no optimizer, so every step sees the same weights).
+    out["gpt2-train"] = (lambda: _train_step(transformers.GPT2LMHeadModel(g).cuda().train()),
+                         lambda: (torch.randint(0, 50257, (4, 512), device="cuda"),))
     out["bert"] = (lambda: transformers.BertModel(transformers.BertConfig()).cuda().eval(), lambda: ids(30000))
     try:
         import timm
@@ -52,6 +57,12 @@ def models() -> dict:
     except ImportError:
         pass
     return out
+
+
+def _train_step(model: torch.nn.Module):
+    step = gpu_blocks._train_step(model)
+    step.is_train_step = True      # profiled with grad enabled; its "logits" are the loss
+    return step
 
 
 def _logits(out):
@@ -89,6 +100,7 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2-bf16,bert,vit")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--backends", default="eager,inductor,torchfuse")
     ap.add_argument("--options", default="", help="torchfuse options as k=v,k=v (ints/bools parsed)")
     a = ap.parse_args()
     opts = {}
@@ -100,11 +112,14 @@ def main() -> None:
     for name in a.models.split(","):
         make_model, make_args = avail[name]
         model, args = make_model(), make_args()
-        with torch.no_grad():
+        training = getattr(model, "is_train_step", False)
+        with torch.set_grad_enabled(training):
             res = {}
             ref = _logits(model(*args))
             for label, wrap in (("eager", lambda m: m), ("inductor", lambda m: torch.compile(m)),
                                 ("torchfuse", lambda m: torch.compile(m, backend="torchfuse", options=opts))):
+                if label not in a.backends.split(","):
+                    continue
                 torch._dynamo.reset()
                 torchfuse.counters.clear()
                 try:
@@ -122,7 +137,7 @@ def main() -> None:
                     f"{sum(r[2] for r in rows)} launches/iter  {dict(torchfuse.counters) if label == 'torchfuse' else ''}")
                 for k, t, n in rows[:a.top]:
                     say(f"  {t:7.3f} ms  x{n:<4d} {k[:150]}")
-            if "torchfuse" in res:
+            if "torchfuse" in res and not training:
                 try:
                     ex = torchfuse.explain(model, *args, options=opts)
                     fb = collections.Counter(f.op for f in ex.fallbacks)

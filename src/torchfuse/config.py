@@ -52,6 +52,13 @@ class Config:
     kernels need 16-byte-aligned leading dimensions) and unfuse_addmm moves their bias adds into
     the consumer kernels.  CPU BLAS needs neither."""
 
+    # --- autograd -------------------------------------------------------------------------------
+    partitioner: str = "min_cut"
+    """How AOTAutograd splits a training graph into forward and backward.  'min_cut' saves the
+    fewest bytes for the backward and recomputes cheap pointwise values there (GELU's
+    intermediates, log-softmax from the logits), where they fuse into the backward's kernels;
+    'default' saves every forward value the backward reads."""
+
     # --- fusion ---------------------------------------------------------------------------------
     fuse: bool = True
     """When False every lowered op becomes its own kernel (useful to bisect fusion bugs)."""
@@ -110,6 +117,9 @@ class Config:
         unknown = sorted(set(merged) - set(known))
         if unknown:
             raise ValueError(f"torchfuse: unknown option(s) {unknown}; valid options are {sorted(known)}")
+        if merged.get("partitioner", "min_cut") not in ("min_cut", "default"):
+            raise ValueError(f"torchfuse: unknown partitioner {merged['partitioner']!r}; "
+                             "valid partitioners are ['default', 'min_cut']")
         for key in ("cache_dir", "debug_dir"):
             if key in merged:
                 merged[key] = Path(merged[key])

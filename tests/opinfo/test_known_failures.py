@@ -3,7 +3,6 @@ lowerings (lowering.py / wrapper.py); the unfixed ones stay xfailed (opinfo_swee
 OpInfos they break).  Each test passes once its bug is fixed: then drop the mark."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import torchfuse

@@ -4,10 +4,8 @@ through the core pipeline (`runtime.compiled_graph.compile_graph`).
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
-import torch
 import torch.fx as fx
 
 from ..api import Explanation
@@ -36,9 +34,11 @@ class TorchfuseBackend:
                                          mode=kwargs.get("mode"))
         backend = TorchfuseBackend(config, self.report) if config is not self.config else self
         from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+        partition = min_cut_rematerialization_partition if config.partitioner == "min_cut" else default_partition
         aot = aot_autograd(fw_compiler=backend._compiler("forward"), bw_compiler=backend._compiler("backward"),
                            inference_compiler=backend._compiler("inference"),
-                           decompositions=decomposition_table())
+                           decompositions=decomposition_table(), partition_fn=partition)
         return aot(gm, example_inputs)
 
 

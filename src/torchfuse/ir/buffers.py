@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .nodes import INDEX, Node, const, load, to_text, var
+from .nodes import Node, const, load, to_text, var
 
 
 class Unsupported(Exception):

@@ -13,7 +13,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from .buffers import ComputedValue, TensorValue, Unsupported
-from .lowering import GraphLowering, register as _register, sym_to_node
+from .lowering import GraphLowering, register as _register
 from .nodes import INDEX, Node, cast, const, op, where
 
 aten = torch.ops.aten

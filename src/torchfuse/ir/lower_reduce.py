@@ -13,7 +13,7 @@ import torch
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
 from .lower_pointwise import register, upcast
 from .lowering import GraphLowering
-from .nodes import INDEX, Node, cast, const, op
+from .nodes import Node, cast, const, op
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import os
 import re
 import sys
 import textwrap
