@@ -126,7 +126,9 @@ SHAPED = {
     "full_sum": (lambda x: x.sum(), [(64 << 20,)], lambda s, d: (_rn(*s, d=d),), 1),
     "full_amax": (lambda x: x.amax(), [(64 << 20,)], lambda s, d: (_rn(*s, d=d),), 1),
     "row_sum": (lambda x: x.sum(1), [(8, 8 << 20)], lambda s, d: (_rn(*s, d=d),), 1),
-    "col_sum": (lambda x: x.sum(0), [(8 << 20, 8)], lambda s, d: (_rn(*s, d=d),), 1),
+    # a few long columns (split), and the weight/bias gradients of a training step's layers
+    "col_sum": (lambda x: x.sum(0), [(8 << 20, 8), (2048, 768), (2048, 3072), (8192, 2304), (2047, 1000)],
+                lambda s, d: (_rn(*s, d=d),), 1),
     "transpose_add": (lambda x: x.t().contiguous() + 1, [(8192, 8192), (4099, 8191)],
                       lambda s, d: (_rn(*s, d=d),), 2),
     "permute_add": (lambda x, y: x.permute(0, 2, 1) + y, [(64, 1024, 1000)],
@@ -219,6 +221,7 @@ def main() -> None:
     ap.add_argument("--blocks", action="store_true", help="attention by hand, transformer block, GPT-2 train step")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--only", help="comma-separated workload names")
+    ap.add_argument("--shapes", help="rows x columns of the row workloads instead of SHAPES, e.g. 2048x50257,512x131072")
     ap.add_argument("--out")
     ap.add_argument("--torchfuse-mode", default=None, help="e.g. max-autotune-no-cudagraphs")
     a = ap.parse_args()
@@ -230,6 +233,8 @@ def main() -> None:
     launch_overhead(rows)
     if not a.no_kernels:
         shapes = SHAPES[:2] if a.quick else SHAPES
+        if a.shapes:
+            shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
         dtypes = [torch.float32, torch.bfloat16]
         run_kernels(shapes, dtypes, copy_gbs, rows, a.only.split(",") if a.only else None)
     if a.blocks:

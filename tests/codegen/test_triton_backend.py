@@ -113,6 +113,25 @@ def test_long_rows_online_softmax(tf, dtype):
     _check(tf, lambda a, b: F.cross_entropy(a, b), y, t[:5].repeat(2)[:6])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_one_pass_variance(tf, dtype):
+    # rows past the persistent limit: the mean's sum and sum((x - mean)^2) in one pass (per-lane
+    # shifted sums); a row far from 0 (where sums of x and x * x would cancel), a constant row
+    # (variance exactly 0), and NaN / inf rows as eager's two-pass form gives them
+    from torchfuse.runtime import triton_launch
+    n = triton_launch.PERSISTENT_LIMIT + 3001
+    x = tf.rand((6, n))
+    x[1] = x[1] * 1e-2 + 100
+    x[2] = 3.0
+    x[3, 11] = float("nan")
+    x[4, 5] = float("inf")
+    x = x.to(dtype)
+    w, b = tf.rand((n,)).to(dtype), tf.rand((n,)).to(dtype)
+    # (not var_mean: eager's CPU kernel gives an inf row a NaN mean, where x.mean() gives inf)
+    e = _check(tf, lambda a, w, b: (F.layer_norm(a, (n,), w, b), a.float().var(-1)), x, w, b)
+    assert any("_s2 = " in k.source for k in e.kernels), [k.source for k in e.kernels]
+
+
 def test_training_step_gradients(tf):
     x = tf.rand((4, 16)).requires_grad_()
     w = tf.rand((16,)).requires_grad_()

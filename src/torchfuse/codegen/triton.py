@@ -527,6 +527,44 @@ def _emit_online(em: TritonEmitter, plan: LoopPlan, stage, nxt) -> None:
     _finish_reduction(em, plan, n, None, None, result=f"tl.sum({acc_s} * tl.exp({acc_m} - {row_max}), 1)[:, None]")
 
 
+def _variance_pair(stage, nxt):
+    """`nxt` is one sum of (x - a) * (x - a), where x is the body of a sum in `stage` (so it can
+    be computed in that stage's loop) and a is a per-row value of `stage` (the mean of a
+    variance or layer norm).  Returns (member, x, a) when the looped variant can get the sum
+    from `stage`'s pass over the row (see _emit_shifted_sums), else None."""
+    if nxt is None or stage.kind != "reduce" or nxt.kind != "reduce" or len(nxt.members) != 1:
+        return None
+    n = nxt.members[0]
+    d = n.body
+    if n.buffer.reduction_op != "sum" or d.dtype != torch.float32 or n.buffer.dtype != torch.float32 \
+            or d.op != "mul" or d.args[0] != d.args[1] or d.args[0].op != "sub":
+        return None
+    x, a = d.args[0].args
+    sums = [m for m in stage.members if m.buffer.reduction_op == "sum" and m.body == x]
+    if not sums or any(v.op == "var" and v.arg.startswith("y") for v in walk(a)):
+        return None
+    return n, x, a
+
+
+def _emit_shifted_sums(em: TritonEmitter, x: str, acc: str) -> None:
+    """Per lane, sums of d = x - k and d * d, k being the lane's first element.  Sums of x and
+    x * x would cancel catastrophically for rows far from 0 (mean 1e4, std 1e-3); a running
+    Welford mean in fp32 rounds to the mean's ulp at every step.  d is exact for rows of
+    similar values, and nothing below cancels by more than a small factor."""
+    em.line(f"{acc}_k = tl.where(xmask & rmask & ({acc}_n == 0), {x}, {acc}_k)")
+    d = em.tmp(f"tl.where(xmask & rmask, {x} - {acc}_k, 0.0)")
+    em.line(f"{acc}_s1 = {acc}_s1 + {d}")
+    em.line(f"{acc}_s2 = {acc}_s2 + {d} * {d}")
+    em.line(f"{acc}_n = {acc}_n + tl.where(xmask & rmask, 1.0, 0.0)")
+
+
+def _finish_shifted_sums(em: TritonEmitter, plan: LoopPlan, member, a, acc: str) -> None:
+    """sum((x - a)^2) over a lane = s2 + 2 (k - a) s1 + n (k - a)^2, exact for any per-row a."""
+    c = em.tmp(f"{acc}_k - {em.value(a)}")
+    lanes = em.tmp(f"tl.where({acc}_n > 0, {acc}_s2 + {c} * (2.0 * {acc}_s1 + {acc}_n * {c}), 0.0)")
+    _finish_reduction(em, plan, member, None, None, result=f"tl.sum({lanes}, 1)[:, None]")
+
+
 def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) -> None:
     full_mask = "xmask & rmask"
     if persistent:
@@ -547,8 +585,13 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
             em.mask = "xmask"
             _emit_values(em, plan, stage.members, "xmask")
             continue
+        variance = None if persistent else _variance_pair(stage, stages[i + 1] if i + 1 < len(stages) else None)
         if not persistent:
             accs = _open_accumulators(em, stage) if stage.kind == "reduce" else []
+            if variance:
+                vacc = f"acc_{variance[0].buffer.name}"
+                for part in ("k", "s1", "s2", "n"):
+                    em.line(f"{vacc}_{part} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
             _open_row_loop(em, plan)
         em.mask = full_mask
         if stage.kind == "inner":
@@ -559,11 +602,16 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
         else:
             for m, acc in accs:
                 _accumulate(em, m, em.value(m.body), acc)
+            if variance:
+                _emit_shifted_sums(em, em.value(variance[1]), vacc)
         if not persistent:
             _close_row_loop(em)
             if stage.kind == "reduce":
                 for m, acc in accs:
                     _finish_reduction(em, plan, m, None, acc)
+            if variance:
+                _finish_shifted_sums(em, plan, variance[0], variance[2], vacc)
+                skip = True
 
 
 def _open_accumulators(em: TritonEmitter, stage) -> list:

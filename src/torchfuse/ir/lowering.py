@@ -196,6 +196,7 @@ class GraphLowering:
         self.output_nodes: set[fx.Node] = set()
         self.device: torch.device | None = None
         self.forced_fallbacks = set(config.fallback_ops)
+        self._reductions: dict[tuple, StridedValue] = {}
 
     # -- helpers used by the op lowerings ---------------------------------------------------
     def new_name(self, prefix: str = "buf") -> str:
@@ -224,6 +225,12 @@ class GraphLowering:
             red_op, red_ranges = None, ()
             ranges = tuple(value.shape)
             body = value.load([var(f"i{k}") for k in range(len(ranges))])
+        if reduction is not None and layout is None:
+            # The same reduction lowered twice (var_mean's sum and the user's own sum of x) is
+            # computed once: a row kernel would otherwise carry both accumulators.
+            key = (red_op, ranges, tuple(red_ranges), body, value.dtype)
+            if key in self._reductions:
+                return self._reductions[key]
         if layout is None:
             meta = getattr(value, "meta", None)
             if reduction is None and meta is not None and is_dense(meta) and shape_of(meta) == ranges:
@@ -236,7 +243,10 @@ class GraphLowering:
         buf = ComputedBuffer(name, value.dtype, layout, ranges, body, red_op, tuple(red_ranges), origins)
         self.steps.append(buf)
         self.buffer_meta[name] = (layout.sizes, layout.strides, value.dtype, self.device)
-        return StridedValue(name, layout, value.dtype)
+        result = StridedValue(name, layout, value.dtype)
+        if reduction is not None:
+            self._reductions.setdefault((red_op, ranges, tuple(red_ranges), body, value.dtype), result)
+        return result
 
     def reduce(self, op: str, out_ranges: Sequence[Node], red_ranges: Sequence[Node], dtype: torch.dtype,
                body_fn: Callable[[list[Node], list[Node]], Node]) -> StridedValue:
