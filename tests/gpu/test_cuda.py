@@ -123,13 +123,13 @@ def test_max_autotune_cuda():
 
 def test_triton_kernels_precompiled_in_parallel_before_first_call():
     """Every kernel of the graph is compiled in the thread pool before the first launch."""
-    def fn(x, y):
-        return (x * 2).softmax(-1), x.t().contiguous() + y, (x + 1).sin()
-    x, y = torch.randn(67, 65, device="cuda"), torch.randn(65, 67, device="cuda")
+    def fn(x, y, z):
+        return (x * 2).softmax(-1), x.t().contiguous() + y, (z + 1).sin()
+    x, y, z = torch.randn(67, 65, device="cuda"), torch.randn(65, 67, device="cuda"), torch.randn(37, device="cuda")
     before = torchfuse.counters["kernels_precompiled"]
-    out = torch.compile(fn, backend="torchfuse", options={"strict": True})(x, y)
+    out = torch.compile(fn, backend="torchfuse", options={"strict": True})(x, y, z)
     assert torchfuse.counters["kernels_precompiled"] - before == 3
-    for o, r in zip(out, fn(x, y)):
+    for o, r in zip(out, fn(x, y, z)):
         _close(o, r, torch.float32)
 
 

@@ -33,12 +33,12 @@ def test_planned_launches_match_the_real_ones(monkeypatch):
                      tuple(constexprs), warps, tuple(names)))
     monkeypatch.setattr(triton_launch, "_launch", recording)
 
-    def fn(x, y):
+    def fn(x, y, z):
         a = (x * 2.5).softmax(-1)          # a reduction kernel
         b = x.t().contiguous() + y * 3     # a tiled (transposing) kernel
-        return a, b, (x + 1.25).sin()      # a pointwise kernel
-    x, y = torch.randn(61, 59), torch.randn(59, 61)
-    e = torchfuse.explain(fn, x, y, options={"cpu_backend": "triton"})
+        return a, b, (z + 1.25).sin()      # a pointwise kernel (of its own size: it fuses with neither)
+    x, y, z = torch.randn(61, 59), torch.randn(59, 61), torch.randn(37)
+    e = torchfuse.explain(fn, x, y, z, options={"cpu_backend": "triton"})
     assert len(e.kernels) == 3
     plans = [(k, tuple(g), tuple(args), tuple(c), w, tuple(n)) for k, g, args, c, w, n in planned]
     assert len(plans) == 3

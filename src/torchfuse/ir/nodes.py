@@ -350,7 +350,29 @@ def floordiv(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None
             return _build(divisible)
     if a.op == "floordiv" and d.op == "const" and a.args[1].op == "const":
         return floordiv(a.args[0], a.args[1].arg * d.arg, ranges)
+    part = _split_by_step(a, d, ranges)
+    if part is not None:            # (c*q + r) // (c*k) = q // k when 0 <= r < c
+        q, _, c = part
+        return floordiv(q, d.arg // c, ranges)
     return Node("floordiv", (a, d), None, INDEX)
+
+
+def _split_by_step(a: Node, d: Node, ranges: Mapping[str, Node] | None) -> tuple[Node, Node, int] | None:
+    """(q, r, c) with a = c*q + r, 0 <= r < c, c > 1 a proper divisor of the constant d: the
+    flat index of a view whose rows are c apart (x0*3072 + x1 over [2048, 3072], d = 512*3072)."""
+    if d.op != "const" or d.arg <= 1 or a.op != "add":
+        return None
+    terms = _terms(a)
+    if not _sum_nonneg(terms):
+        return None
+    for c in sorted({abs(coef) for coef in terms.values()}, reverse=True):
+        if c <= 1 or d.arg % c or c == d.arg:
+            continue
+        big = {k: v // c for k, v in terms.items() if v % c == 0}
+        small = {k: v for k, v in terms.items() if v % c}
+        if small and _provably_below(_build(small), const(c), ranges):
+            return _build(big), _build(small), c
+    return None
 
 
 def mod(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = None) -> Node:
@@ -370,6 +392,10 @@ def mod(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = No
             a = rest_node
     if _provably_below(a, d, ranges):
         return a
+    part = _split_by_step(a, d, ranges)
+    if part is not None:            # (c*q + r) % (c*k) = c*(q % k) + r when 0 <= r < c
+        q, r, c = part
+        return add(mul(mod(q, d.arg // c, ranges), c), r)
     return Node("mod", (a, d), None, INDEX)
 
 

@@ -198,6 +198,57 @@ def _reads_ok(kernel: Kernel, member: Member) -> str:
     return ""
 
 
+# How many kernels back a buffer that does not fit the open kernel may look for one it fits.
+LOOK_BACK = 3
+
+
+def _defines(item: Kernel | FallbackCall | AliasView) -> set[str]:
+    if isinstance(item, Kernel):
+        return {m.buffer.name for m in item.members}
+    if isinstance(item, FallbackCall):
+        return {o for o in item.outputs if o}
+    return {item.name}
+
+
+def _try_join(kernel: Kernel, step: ComputedBuffer) -> tuple[Kernel | None, str]:
+    """`kernel` with `step` fused in (a new Kernel), or None and the reason it cannot be."""
+    fit = _role(kernel, step)
+    if isinstance(fit, str):
+        return None, fit
+    candidate, member = _place(kernel, step, fit)
+    reason = _reads_ok(candidate, member)
+    if reason:
+        return None, reason
+    candidate.members.append(member)
+    return candidate, ""
+
+
+def _join_earlier(items: list, current: Kernel | None, step: ComputedBuffer, config: Config) -> bool:
+    """Fuse `step` into one of the last LOOK_BACK kernels if it fits there and reads nothing made
+    after it (`current`, the open kernel, comes after all `items`).  Moving a buffer earlier is
+    safe: everything after that kernel precedes `step` in program order, so nothing there reads
+    it.  (A layer norm backward's input gradient joins the row sums it needs, past the kernel of
+    its weight gradient's column sums that came between.)"""
+    reads = {ld.arg for ld in loads(step.body)}
+    later = _defines(current) if current is not None else set()
+    seen = 1 if current is not None else 0
+    for pos in range(len(items) - 1, -1, -1):
+        item = items[pos]
+        if isinstance(item, FallbackCall) and item.binds:
+            return False          # sizes known only after that call
+        if isinstance(item, Kernel):
+            if seen == LOOK_BACK:
+                return False
+            seen += 1
+            if not reads & later and len(item.members) < config.max_fusion_size:
+                joined, _ = _try_join(item, step)
+                if joined is not None:
+                    items[pos] = joined
+                    return True
+        later |= _defines(item)
+    return False
+
+
 def schedule(program: LoweredGraph, config: Config) -> Schedule:
     items: list[Kernel | FallbackCall | AliasView] = []
     refused: list[str] = []
@@ -215,16 +266,15 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
             close()
             items.append(step)
             continue
+        if current is None and config.fuse and _join_earlier(items, None, step, config):
+            continue
         if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
-            fit = _role(current, step)
-            reason = fit if isinstance(fit, str) else ""
-            if not isinstance(fit, str):
-                candidate, member = _place(current, step, fit)
-                reason = _reads_ok(candidate, member)
-                if not reason:
-                    candidate.members.append(member)
-                    current = candidate
-                    continue
+            joined, reason = _try_join(current, step)
+            if joined is not None:
+                current = joined
+                continue
+            if _join_earlier(items, current, step, config):
+                continue
             refused.append(f"{step.name} ({', '.join(step.origins)}) not fused into {current.name} "
                            f"({', '.join(current.origins)}): {reason}")
             log.debug(refused[-1])
