@@ -178,23 +178,29 @@ def test_dropout_train_mask_consistent_with_grad():
     torch.testing.assert_close(x.grad, keep.float() * 2 / (1 - p))
 
 
-def _forward_saved_bytes(partitioner: str, monkeypatch) -> int:
-    """Train an MLP once through torchfuse; return the activation bytes its forward graph saves
-    for the backward."""
+def _spy_saved_bytes(monkeypatch) -> list[int]:
+    """Activation bytes each compiled forward graph saves for the backward: the values it computed
+    (not its inputs or views of them)."""
     import torchfuse.runtime.compiled_graph as cg
-    saved = []
+    saved: list[int] = []
     real = cg.compile_graph
 
     def spy(gm, config, *, kind, **kw):
-        if kind == "forward":   # activations: saved values the forward computed (not inputs or views of them)
+        if kind == "forward":
             outs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
             vals = [o.meta["val"] for o in outs if isinstance(o, torch.fx.Node) and o.op != "placeholder"
                     and o.target is not torch.ops.aten.t.default]
             saved.append(sum(v.numel() * v.element_size() for v in vals))
         return real(gm, config, kind=kind, **kw)
     monkeypatch.setattr(cg, "compile_graph", spy)
+    return saved
+
+
+def _forward_saved_bytes(partitioner: str, monkeypatch) -> int:
+    """Train an MLP once through torchfuse; return the activation bytes its forward saves."""
+    saved = _spy_saved_bytes(monkeypatch)
     torch.manual_seed(0)
-    model, x, target = MLP(d_in=24, d_hidden=256, n_classes=300), randn(64, 24), torch.randint(0, 300, (64,))
+    model, x, target = MLP(d_in=24, d_hidden=512, n_classes=40), randn(64, 24), torch.randint(0, 40, (64,))
     ref = copy.deepcopy(model)
     F.cross_entropy(ref.fc2(ref.drop(F.gelu(ref.norm(ref.fc1(x)), approximate="tanh"))), target).backward()
     compiled = torch.compile(lambda x, t: F.cross_entropy(model.fc2(F.gelu(model.norm(model.fc1(x)),
@@ -204,6 +210,20 @@ def _forward_saved_bytes(partitioner: str, monkeypatch) -> int:
     assert_grads_close(model, ref)
     assert len(saved) == 1
     return saved[0]
+
+
+def test_cross_entropy_backward_recomputes_the_log_probabilities(monkeypatch):
+    """A language model's loss: the forward keeps the logits (an input) and two numbers per row;
+    the [tokens, vocab] log-probabilities are recomputed in the backward, not written and read."""
+    saved = _spy_saved_bytes(monkeypatch)
+    logits, target = randn(96, 1000).requires_grad_(), torch.randint(0, 1000, (96,))
+    target[5] = -100
+    ref = logits.detach().clone().requires_grad_()
+    loss = torch.compile(lambda lg, t: F.cross_entropy(lg, t), backend="torchfuse")(logits, target)
+    loss.backward()
+    F.cross_entropy(ref, target).backward()
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    assert saved and saved[0] < 96 * 1000 * 4 // 10, saved
 
 
 def test_min_cut_partitioner_saves_less_for_the_backward(monkeypatch):

@@ -48,4 +48,14 @@ def decomposition_table() -> dict:
     global _table
     if _table is None:
         _table = get_decompositions(DECOMPOSE)
+        stock = _table[aten.nll_loss_backward.default]
+
+        def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+            # The stock decomposition builds its result with zeros_like(self).  That use makes
+            # the log-probabilities (self, [tokens, vocab]) count as materialized in the
+            # backward, so AOTAutograd's min-cut partitioner saves them instead of recomputing
+            # them from the logits.  Only self's shape and dtype are needed.
+            like = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            return stock(grad_output, like, target, weight, reduction, ignore_index, total_weight)
+        _table[aten.nll_loss_backward.default] = nll_loss_backward
     return _table

@@ -34,12 +34,30 @@ class TorchfuseBackend:
                                          mode=kwargs.get("mode"))
         backend = TorchfuseBackend(config, self.report) if config is not self.config else self
         from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
-        partition = min_cut_rematerialization_partition if config.partitioner == "min_cut" else default_partition
+        from torch._functorch.partitioners import default_partition
+        partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
         aot = aot_autograd(fw_compiler=backend._compiler("forward"), bw_compiler=backend._compiler("backward"),
                            inference_compiler=backend._compiler("inference"),
                            decompositions=decomposition_table(), partition_fn=partition)
         return aot(gm, example_inputs)
+
+
+def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
+    """AOTAutograd's min-cut partition of the joint graph, after dropping its `detach` nodes.
+    The joint graph is functional and its gradients are explicit, so a detach is a no-op there;
+    but the partitioner counts it as a use that must be materialized, and so saved the
+    log-probabilities of a cross entropy ([tokens, vocab]) for the backward instead of
+    recomputing them from the logits.  (Graph outputs keep their detach: aliasing metadata was
+    computed for them.)"""
+    import torch
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    graph = joint.graph
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)):
+        node.replace_all_uses_with(node.args[0], delete_user_cb=lambda user: user.op != "output")
+        if not node.users:
+            graph.erase_node(node)
+    joint.recompile()
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def _config_dict(config: Config) -> dict:
