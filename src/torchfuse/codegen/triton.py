@@ -540,8 +540,7 @@ def _variance_pair(stage, nxt):
             or d.op != "mul" or d.args[0] != d.args[1] or d.args[0].op != "sub":
         return None
     x, a = d.args[0].args
-    sums = [m for m in stage.members if m.buffer.reduction_op == "sum" and m.body == x]
-    if not sums or any(v.op == "var" and v.arg.startswith("y") for v in walk(a)):
+    if not any(m.buffer.reduction_op == "sum" and m.body == x for m in stage.members) or any(v.op == "var" and v.arg.startswith("y") for v in walk(a)):
         return None
     return n, x, a
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
+import torch
 import torch.fx as fx
 
 from ..api import Explanation
@@ -49,7 +50,6 @@ def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
     log-probabilities of a cross entropy ([tokens, vocab]) for the backward instead of
     recomputing them from the logits.  (Graph outputs keep their detach: aliasing metadata was
     computed for them.)"""
-    import torch
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     graph = joint.graph
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)):

@@ -225,12 +225,12 @@ class GraphLowering:
             red_op, red_ranges = None, ()
             ranges = tuple(value.shape)
             body = value.load([var(f"i{k}") for k in range(len(ranges))])
-        if reduction is not None and layout is None:
-            # The same reduction lowered twice (var_mean's sum and the user's own sum of x) is
-            # computed once: a row kernel would otherwise carry both accumulators.
-            key = (red_op, ranges, tuple(red_ranges), body, value.dtype)
-            if key in self._reductions:
-                return self._reductions[key]
+        # The same reduction lowered twice (var_mean's sum and the user's own sum of x) is
+        # computed once: a row kernel would otherwise carry both accumulators.
+        key = (red_op, ranges, tuple(red_ranges), body, value.dtype) if reduction is not None and layout is None \
+            else None
+        if key in self._reductions:
+            return self._reductions[key]
         if layout is None:
             meta = getattr(value, "meta", None)
             if reduction is None and meta is not None and is_dense(meta) and shape_of(meta) == ranges:
@@ -244,8 +244,8 @@ class GraphLowering:
         self.steps.append(buf)
         self.buffer_meta[name] = (layout.sizes, layout.strides, value.dtype, self.device)
         result = StridedValue(name, layout, value.dtype)
-        if reduction is not None:
-            self._reductions.setdefault((red_op, ranges, tuple(red_ranges), body, value.dtype), result)
+        if key is not None:
+            self._reductions[key] = result
         return result
 
     def reduce(self, op: str, out_ranges: Sequence[Node], red_ranges: Sequence[Node], dtype: torch.dtype,
