@@ -41,7 +41,8 @@ class Config:
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 
     # --- graph passes ------------------------------------------------------------------------
-    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm", "dce")
+    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm",
+                               "unfuse_conv_bias", "dce")
     """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
     """Devices on which conv_bn_fold runs.  Without frozen weights the fold is recomputed every
@@ -49,8 +50,9 @@ class Config:
     norm they remove, which fuses into the following ReLU anyway."""
     cublas_devices: tuple[str, ...] = ("cuda",)
     """Devices whose matrix products run in cuBLAS: pad_mm pads their unaligned sizes (the fast
-    kernels need 16-byte-aligned leading dimensions) and unfuse_addmm moves their bias adds into
-    the consumer kernels.  CPU BLAS needs neither."""
+    kernels need 16-byte-aligned leading dimensions) and unfuse_addmm / unfuse_conv_bias move
+    the bias adds of matrix products and (cuDNN) convolutions into the consumer kernels.  CPU
+    BLAS and oneDNN need neither."""
 
     # --- autograd -------------------------------------------------------------------------------
     partitioner: str = "min_cut"

@@ -23,7 +23,8 @@ from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
 from .cse import cse as _cse
 from .dce import dce as _dce
 from .pad_mm import pad_mm as _pad_mm
-from .unfuse_addmm import unfuse_addmm as _unfuse_addmm
+from .unfuse_bias import unfuse_addmm as _unfuse_addmm
+from .unfuse_bias import unfuse_conv_bias as _unfuse_conv_bias
 from .simplify import simplify as _simplify
 
 __all__ = ["REGISTRY", "PassContext", "PassRecord", "run_passes", "DEFAULT_PIPELINE"]
@@ -40,9 +41,11 @@ REGISTRY: dict[str, Pass] = {
     "conv_bn_fold": _conv_bn_fold,
     "pad_mm": _pad_mm,
     "unfuse_addmm": _unfuse_addmm,
+    "unfuse_conv_bias": _unfuse_conv_bias,
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm", "dce")
+DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm", "unfuse_conv_bias",
+                                     "dce")
 
 
 def run_passes(gm: torch.fx.GraphModule, names: Sequence[str], ctx: PassContext) -> list[PassRecord]:

@@ -15,8 +15,8 @@ class PassContext:
 
     cublas_devices: tuple[str, ...] = ("cuda",)
     """Device types whose matrix products run in cuBLAS: `pad_mm` pads them to 16-byte-aligned
-    sizes and `unfuse_addmm` moves their bias adds into the consumer kernels (CPU BLAS needs
-    neither)."""
+    sizes, and `unfuse_addmm` / `unfuse_conv_bias` move the bias adds of matrix products and
+    convolutions into the consumer kernels (CPU BLAS and oneDNN need neither)."""
 
 
 @dataclass
