@@ -206,3 +206,67 @@ def test_num_threads_option(tmp_path):
         cfg = Config(cache_dir=tmp_path, num_threads=threads, parallel_threshold=1024)
         call = compile_graph(trace(f, x), cfg, inference=True)
         assert_outputs(call([x]), f(x))
+
+
+def test_triton_launch_site_binds_after_first_launch():
+    """A call site takes the helper (which plans, compiles and verifies a direct launcher) on
+    its first call, on new sizes and on pointers not 16-byte aligned; otherwise it calls the
+    launcher bound to its last launch with the buffers' addresses."""
+    from torchfuse.runtime.triton_launch import make_site
+    calls = []
+
+    class Fast:
+        def bind(self, grid, tail):
+            return lambda *args: calls.append(("bound", grid, tail, args))
+
+    def helper(kernel, xnumel, big, *args, fast=Fast()):
+        calls.append(("helper", xnumel, args))
+        return fast, (kernel, (xnumel // 4, 1, 1), (xnumel, 1), (4, 1, big), 4, ("XBLOCK", "RBLOCK", "BIG"))
+
+    site = make_site(helper, ("k",), 2, 2, 1)
+    a, b = torch.randn(64), torch.randn(64)
+    pa, pb = a.data_ptr(), b.data_ptr()
+    site(64, False, a, b, 7)
+    site(64, False, a, b, 7)
+    site(32, False, a, b, 7)
+    site(32, False, a, b, 7)
+    site(32, False, a[1:], b, 7)
+    site(32, False, a, b, 7)
+    site(32, False, a, b, 8)
+    assert [c[0] for c in calls] == ["helper", "bound", "helper", "bound", "helper", "bound", "helper"]
+    assert calls[1] == ("bound", (16, 1, 1), (64, 1), (pa, pb, 7))
+    assert calls[3] == ("bound", (8, 1, 1), (32, 1), (pa, pb, 7))
+    assert calls[5] == calls[3]
+
+    never = make_site(lambda *a: (False, None), ("k",), 1, 1, 0)     # no direct launcher: always the helper
+    never(4, a)
+    never(4, a)
+
+
+def test_fallbacks_call_the_python_binding_only_when_it_binds_the_same_overload():
+    from torchfuse.runtime.wrapper import python_binding
+    aten, VF = torch.ops.aten, torch._C._VariableFunctions
+    assert python_binding(aten.convolution.default, 9) is VF.convolution
+    assert python_binding(aten.mm.default, 2) is VF.mm                  # mm.dtype needs a third argument
+    assert python_binding(aten.addmm.default, 3, frozenset({"beta"})) is VF.addmm
+    # add.Tensor / add.Scalar, max.dim / max.other ...: the binding could pick another overload
+    assert python_binding(aten.add.Tensor, 2) is aten.add.Tensor
+    assert python_binding(aten.max.dim, 2) is aten.max.dim
+    flash = aten._scaled_dot_product_flash_attention.default
+    assert python_binding(flash, 3, frozenset({"scale"})) is VF._scaled_dot_product_flash_attention
+    assert python_binding(flash, 6) is flash                             # .quantized takes 6 positional too
+    assert python_binding(aten.copy_.default, 2) is aten.copy_.default     # mutating ops stay ops
+
+
+def test_fallback_bindings_match_eager(tf):
+    """Matmul, convolution and embedding run through ATen via their bindings, as eager."""
+    import torch.nn.functional as F
+
+    def fn(x, w, c, k, idx, table):
+        y = (x @ w).relu()
+        z = F.conv2d(c, k, padding=1).sigmoid()
+        return y * 2, z + 1, F.embedding(idx, table) * 3
+    args = (tf.rand((5, 7)), tf.rand((7, 3)), tf.rand((2, 3, 6, 5)), tf.rand((4, 3, 3, 3)),
+            torch.randint(0, 9, (4, 2)), tf.rand((9, 6)))
+    tf.check(fn, *args, allow_fallbacks=("aten.mm.default", "aten.convolution.default", "aten.embedding.default"),
+             min_kernels=1, atol=1e-5, rtol=1e-5)

@@ -97,6 +97,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     stored = set().union(*(p.stored for p in plans)) if plans else set()
     kernel_args: dict[str, tuple[list[str], list[str]]] = {}
     kernel_calls: dict[str, str] = {}
+    site_calls: dict[str, str] = {}
+    sites: dict[str, tuple] = {}
     sources, infos = [], []
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
@@ -111,15 +113,19 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
                 tile = tgen.tile_dims(plan)
                 if tile is not None:
                     ny, nx = (py_index(plan.outer[d]) for d in tile)
-                    kernel_calls[kernel.name] = (f"_launch_tiled({kernel.name}_tiled, {nx}, {ny}, {xnumel}, {big}, "
-                                                 f"{', '.join(bufs + syms)})")
+                    helper, variants, sizes, kw = "_launch_tiled", [f"{kernel.name}_tiled"], [nx, ny, xnumel, big], {}
                 elif kernel.kind == "pointwise":
-                    kernel_calls[kernel.name] = f"_launch_pointwise({kernel.name}, {xnumel}, {big}, {', '.join(bufs + syms)})"
+                    helper, variants, sizes, kw = "_launch_pointwise", [kernel.name], [xnumel, big], {}
                 else:
-                    rnumel = py_index(_product(plan.inner))
-                    xfast = ", xfast=True" if tgen.rows_contiguous(plan) else ""
-                    kernel_calls[kernel.name] = (f"_launch_reduction({kernel.name}_persistent, {kernel.name}_looped, "
-                                                 f"{xnumel}, {rnumel}, {big}, {', '.join(bufs + syms)}{xfast})")
+                    helper, variants = "_launch_reduction", [f"{kernel.name}_persistent", f"{kernel.name}_looped"]
+                    sizes = [xnumel, py_index(_product(plan.inner)), big]
+                    kw = {"xfast": True} if tgen.rows_contiguous(plan) else {}
+                # the wrapper calls the kernel's own call site; the helper call (the same launch)
+                # is what the parallel precompile plans from
+                kernel_calls[kernel.name] = (f"{helper}({', '.join(variants + sizes + bufs + syms)}"
+                                             + "".join(f", {k}={v!r}" for k, v in kw.items()) + ")")
+                site_calls[kernel.name] = f"{kernel.name}_site({', '.join(sizes + bufs + syms)})"
+                sites[kernel.name] = (helper, variants, len(sizes), len(bufs), len(syms), kw)
             else:
                 from ..codegen import cpp
                 src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
@@ -140,7 +146,7 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
         counters.bump("eager_fallbacks")
         return _eager(gm)
     counters.bump("kernels_generated", len(sources))
-    builder = WrapperBuilder(program, sched.items, kernel_args, stored, kernel_calls)
+    builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls)
     wrapper_src = builder.build()
     debug.write("wrapper.py", wrapper_src)
     if report is not None:
@@ -153,6 +159,11 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
             for suffix in ("", "_persistent", "_looped", "_tiled"):
                 if first + suffix in kernels:
                     kernels[dup + suffix] = kernels[first + suffix]
+        if sites:
+            from .triton_launch import make_site
+            for name, (helper, variants, n_sizes, n_bufs, n_syms, kw) in sites.items():
+                kernels[f"{name}_site"] = make_site(kernels[helper], [kernels[v] for v in variants], n_sizes, n_bufs,
+                                                    n_syms, **kw)
         if backend == "triton" and not config.autotune and config.compile_workers != 1:
             _precompile(kernels, kernel_calls, sched, program, config)
     except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly

@@ -16,7 +16,7 @@ import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from torch import Tensor as _Tensor
 
@@ -153,33 +153,85 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b)
 
 
-def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
+def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[Callable]:
+    """Ways to call the compiled binary's launcher, fastest first, each as
+    `bind(grid, tail) -> go(*args)`.  `args` are the kernel's arguments with pointers as ints:
+    Triton's C launchers take an int as the device pointer itself, where for a tensor they call
+    `data_ptr()` and ask the driver about the pointer (`cuPointerGetAttribute`) on every launch.
+    Each convention is only trusted after it reproduced a launch (see `_make_fast`)."""
     import torch
-    try:
-        run, function, meta = binary.run, binary.function, binary.packed_metadata
-    except AttributeError:
+    run, function, meta = binary.run, binary.function, binary.packed_metadata
+    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
+    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
+    stream = torch._C._cuda_getCurrentRawStream
+    launch = getattr(run, "launch", None)
+    # The C launcher itself, past the Python `CudaLauncher.__call__` (which allocates scratch
+    # memory, none here, and builds two closures per launch).  Its arguments changed in Triton
+    # 3.7-ish: one shared launcher taking the kernel's signature, instead of one per kernel.
+    direct = (callable(launch) and getattr(run, "global_scratch_size", 1) == 0
+              and getattr(run, "profile_scratch_size", 1) == 0 and not getattr(run, "gsan_enabled", False))
+    coop, pdl = getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False)
+    for extra in (constexprs, ()):      # newer Triton: all params; older: the runtime ones
+        if direct and hasattr(run, "kernel_signature"):
+            annotations, signature = run.arg_annotations, run.kernel_signature
+
+            def bind(grid: tuple, tail: tuple, extra: tuple = extra) -> Callable:
+                (gx, gy, gz), rest = grid, tuple(tail) + extra
+
+                def go(*args: Any) -> None:
+                    launch(gx, gy, gz, stream(device), function, coop, pdl, meta, None, None, None, None, None,
+                           annotations, signature, args + rest)
+                return go
+            yield bind
+        elif direct:
+            def bind(grid: tuple, tail: tuple, extra: tuple = extra) -> Callable:   # noqa: F811
+                (gx, gy, gz), rest = grid, tuple(tail) + extra
+
+                def go(*args: Any) -> None:
+                    launch(gx, gy, gz, stream(device), function, coop, pdl, None, None, meta, None, None, None,
+                           *args, *rest)
+                return go
+            yield bind
+
+    for extra in (constexprs, ()):      # the Python launcher, as Triton's own launch calls it
+        def bind(grid: tuple, tail: tuple, extra: tuple = extra) -> Callable:      # noqa: F811
+            (gx, gy, gz), rest = grid, tuple(tail) + extra
+
+            def go(*args: Any) -> None:
+                run(gx, gy, gz, stream(device), function, meta, None, None, None, *args, *rest)
+            return go
+        yield bind
+
+
+def _pointer(a: Any) -> Any:
+    return a.data_ptr() if isinstance(a, _Tensor) else a
+
+
+def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
+    """A direct launcher for this binary (`fast(grid, args)`, with `fast.bind(grid, tail)` for
+    a call site whose launch never changes), or False: the first calling convention that
+    reproduces the launch just made through Triton's `kernel[grid](...)` bit for bit."""
+    import torch
+    if not all(hasattr(binary, a) for a in ("run", "function", "packed_metadata")):
         return False
     tensors = [a for a in args if hasattr(a, "data_ptr")]
     torch.cuda.synchronize()
     expected = [t.clone() for t in tensors]
-    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
-    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
-    raw_stream, device = torch._C._cuda_getCurrentRawStream, tensors[0].device.index if tensors else 0
-    for full in ((*args, *constexprs), args):          # newer Triton: all params; older: runtime ones
-        extra = constexprs if len(full) != len(args) else ()
-
-        def fast(grid: tuple, args: tuple, extra: tuple = extra) -> None:
-            run(grid[0], grid[1], grid[2], raw_stream(device), function, meta, None, None, None, *args, *extra)
+    device = tensors[0].device.index if tensors else torch.cuda.current_device()
+    pointers = tuple(_pointer(a) for a in args)
+    for bind in _conventions(binary, constexprs, device):
         try:
-            fast(grid, args)
+            bind(grid, ())(*pointers)
             torch.cuda.synchronize()
         except Exception:
             continue
         if all(_same(t, e) for t, e in zip(tensors, expected)):
+            def fast(grid: tuple, args: tuple, bind: Callable = bind) -> None:
+                bind(grid, ())(*map(_pointer, args))
+            fast.bind = bind
             return fast
         for t, e in zip(tensors, expected):    # undo whatever the wrong convention wrote
             t.copy_(e)
-        break
     return False
 
 
@@ -199,25 +251,27 @@ def launch_hook(fn: Any) -> Iterator[None]:
 
 
 def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int,
-            names: tuple[str, ...] = ("XBLOCK", "RBLOCK", "BIG")) -> None:
+            names: tuple[str, ...] = ("XBLOCK", "RBLOCK", "BIG")) -> Any:
+    """Launch; return the direct launcher used for it (None or False if there is none)."""
     if _hook is not None:
         _hook(kernel, grid, args, constexprs, warps, names)
-        return
+        return None
     # the table lives on the kernel object, so it dies with it (an id() key could be reused)
     table = kernel.__dict__.get("_tf_fast")
     if table is None:
         if os.environ.get("TRITON_INTERPRET") == "1":
             kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
-            return
+            return None
         table = kernel.__dict__.setdefault("_tf_fast", {})
     key = (constexprs, warps, _spec_key(args))
     fast = table.get(key)
     if fast:
         fast(grid, args)
-        return
+        return fast
     binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
     if fast is None:
-        table[key] = _make_fast(binary, args, constexprs, grid)
+        fast = table[key] = _make_fast(binary, args, constexprs, grid)
+    return None       # (this launch went through Triton: a site binds on its next call)
 
 
 # Per kernel, the launch decision for each size (block sizes, warps, grid, the trailing size
@@ -233,9 +287,9 @@ def _plans(kernel: Any) -> dict:
     return plans
 
 
-def _run(plan: tuple, args: tuple) -> None:
+def _run(plan: tuple, args: tuple) -> tuple[Any, tuple]:
     kernel, grid, tail, constexprs, warps, names = plan
-    _launch(kernel, grid, args + tail, constexprs, warps, names)
+    return _launch(kernel, grid, args + tail, constexprs, warps, names), plan
 
 
 def _pointwise_plan(kernel: Any, xnumel: int, big: bool, args: tuple) -> tuple:
@@ -252,14 +306,14 @@ def _pointwise_plan(kernel: Any, xnumel: int, big: bool, args: tuple) -> tuple:
     return plan(xblock, warps)
 
 
-def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> None:
+def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> Any:
     plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
     plan = plans.get((xnumel, big))
     if plan is None:
         if xnumel == 0:
             return
         plan = plans[(xnumel, big)] = _pointwise_plan(kernel, xnumel, big, args)
-    _run(plan, args)
+    return _run(plan, args)
 
 
 def tile_blocks(xnumel: int, ynumel: int) -> tuple[int, int, int]:
@@ -288,7 +342,7 @@ def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, ar
     return plan(xblock, yblock, warps)
 
 
-def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any) -> None:
+def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any) -> Any:
     """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims."""
     plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
     plan = plans.get((xnumel, ynumel, numel, big))
@@ -296,7 +350,7 @@ def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *
         if numel == 0:
             return
         plan = plans[(xnumel, ynumel, numel, big)] = _tiled_plan(kernel, xnumel, ynumel, numel, big, args)
-    _run(plan, args)
+    return _run(plan, args)
 
 
 _sms: list[int] = []
@@ -350,7 +404,7 @@ def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big:
 
 
 def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, *args: Any,
-                     xfast: bool = False) -> None:
+                     xfast: bool = False) -> Any:
     """`xfast`: the input is contiguous across rows (column sums), so long rows are walked by the
     looped kernel with several rows per tile (XBLOCK x RBLOCK = 2048) instead of one row."""
     plans = persistent.__dict__.get("_tf_plans") or _plans(persistent)
@@ -360,4 +414,62 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
             return
         plan = plans[(xnumel, rnumel, big, xfast)] = _reduction_plan(persistent, looped, xnumel, rnumel, big, xfast,
                                                                        args)
-    _run(plan, args)
+    return _run(plan, args)
+
+
+# --------------------------------------------------------------------------------------------
+# call sites: the wrapper's launches after the first
+# --------------------------------------------------------------------------------------------
+# Each kernel call in a generated wrapper gets its own site function.  A site remembers the
+# launch it made last (its sizes, and the direct launcher bound to that launch's grid, size
+# arguments and block sizes); the next call with the same sizes and 16-byte-aligned pointers
+# costs a tuple compare, one data_ptr() per buffer and the C launcher.  The buffers' dtypes are
+# those the wrapper was generated for (its callers are guarded on them), so they need no check.
+# Anything else (new sizes, a misaligned view, the first call, the interpreter) takes the
+# launch helper above, which also compiles.
+
+_SITE_SOURCE = """
+def make(helper, kernels, helper_kwargs):
+    key = go = None
+
+    def slow(site_key, pointer_bits, *call):
+        nonlocal key, go
+        launched = helper(*kernels, *call, **helper_kwargs)
+        if launched is not None and launched[0] and not pointer_bits & 15:
+            fast, (_, grid, tail, _, _, _) = launched
+            go, key = fast.bind(grid, tail), site_key
+
+    def site({params}):
+        {pointers} = {data_ptrs}
+        if key == ({keys}) and not ({bits}) & 15:
+            go({go_args})
+        else:
+            slow(({keys}), {bits}, {params})
+    return site
+"""
+_site_factories: dict[tuple[int, int, int], Callable] = {}
+
+
+def make_site(helper: Callable, kernels: tuple, n_sizes: int, n_buffers: int, n_symbols: int,
+              **helper_kwargs: Any) -> Callable:
+    """A call site for `helper(*kernels, *sizes, *buffers, *symbols, **helper_kwargs)`
+    (launch_pointwise / launch_tiled / launch_reduction), called as
+    `site(*sizes, *buffers, *symbols)`."""
+    shape = (n_sizes, n_buffers, n_symbols)
+    factory = _site_factories.get(shape)
+    if factory is None:
+        if n_buffers < 1:
+            raise ValueError("a Triton kernel takes at least one buffer")
+        sizes = [f"z{i}" for i in range(n_sizes)]
+        buffers = [f"b{i}" for i in range(n_buffers)]
+        symbols = [f"y{i}" for i in range(n_symbols)]
+        pointers = [f"p{i}" for i in range(n_buffers)]
+        keys = sizes + symbols
+        source = _SITE_SOURCE.format(
+            params=", ".join(sizes + buffers + symbols), pointers="".join(p + ", " for p in pointers),
+            data_ptrs="".join(f"{b}.data_ptr(), " for b in buffers), keys="".join(k + ", " for k in keys),
+            bits=" | ".join(pointers), go_args=", ".join(pointers + symbols))
+        scope: dict[str, Any] = {}
+        exec(compile(source, f"<torchfuse launch site {shape}>", "exec"), scope)
+        factory = _site_factories[shape] = scope["make"]
+    return factory(helper, tuple(kernels), helper_kwargs)

@@ -155,7 +155,7 @@ class WrapperBuilder:
         if item.target == "get_attr":
             L.append(f"    {item.outputs[0]} = {self.const(item.args[0])}")
             return
-        fn = self.const(item.target)
+        fn = self.const(python_binding(item.target, len(item.args), frozenset(item.kwargs)))
         args = ", ".join(self.arg(a) for a in item.args)
         kwargs = ", ".join(f"{k}={self.arg(v)}" for k, v in item.kwargs.items())
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
@@ -210,6 +210,44 @@ class WrapperBuilder:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
         return {b: p for b, p in last.items() if not b.startswith("in")}
+
+
+def _could_bind(schema: Any, n_positional: int, keywords: frozenset[str]) -> bool:
+    """Could a call with `n_positional` positional arguments and these keyword names bind to
+    `schema`?  (Counts and names only, not types: a conservative yes.)"""
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    kw_only = [a for a in schema.arguments if a.kwarg_only]
+    if any(a.is_out for a in schema.arguments) and not any(a.is_out and a.name in keywords for a in schema.arguments):
+        return False
+    required = sum(1 for a in positional if not a.has_default_value())
+    return (required <= n_positional <= len(positional)
+            and all(a.name in keywords for a in kw_only if not a.has_default_value())
+            and keywords <= {a.name for a in schema.arguments})
+
+
+@functools.lru_cache(maxsize=None)
+def python_binding(op: Any, n_positional: int, keywords: frozenset[str] = frozenset()) -> Any:
+    """The generated Python binding of an aten op (`torch.convolution` for
+    `aten.convolution.default`) where calling it with these arguments is certain to run that
+    same overload; else the op itself.
+
+    Calling an OpOverload boxes every argument through the op's schema: ~2 us more per call
+    than the binding for `mm`, ~5 us for a convolution's nine arguments, and a model's matmuls,
+    convolutions and attention run through here every forward (Inductor's wrappers call the
+    bindings too).  The binding picks its overload from the arguments given, so it is only used
+    when no other overload of the op could take a call with this many positional arguments and
+    these keywords."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" or op._schema.is_mutable:
+        return op
+    packet = op.overloadpacket
+    binding = getattr(torch._C._VariableFunctions, packet.__name__, None)
+    if binding is None or not _could_bind(op._schema, n_positional, keywords):
+        return op
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        if other is not op and _could_bind(other._schema, n_positional, keywords):
+            return op
+    return binding
 
 
 # The allocation and reinterpretation helpers Inductor's wrappers use: C++ entry points that skip
