@@ -14,6 +14,7 @@ import torch
 
 import torchfuse
 from torchfuse import counters
+from torchfuse.scheduler.split import SplitParams
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -196,3 +197,42 @@ def test_split_factor():
     assert split_factor(8, 8 << 20, 264, 4096) == 33
     assert split_factor(1, 5000, 264, 4096) == 1
     assert split_factor(1, 1 << 40, 100000, 1) == 1024     # capped: the final kernel stays short
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU sizing (SplitParams for cuda, scaled down), checked under the Triton interpreter
+# ----------------------------------------------------------------------------------------------
+
+GPU_LIKE = SplitParams(target=64, min_chunk=256, min_numel=4096, gather_chunk=64, gather_min_numel=1024,
+                       column_tile=32)
+
+
+@pytest.fixture
+def gpu_like_split(monkeypatch):
+    """SplitParams as on a GPU (gathers split early, columns counted in tiles of 32 rows)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(SplitParams, "for_device", staticmethod(lambda *a, **k: GPU_LIKE))
+
+
+@pytest.mark.parametrize("rows", [2048, 2047])
+def test_gathering_reduction_splits_early(tf, gpu_like_split, rows):
+    """A cross entropy's mean over rows gathers one logit per row: with 2048 rows (below
+    min_numel) it still splits into 32 partial programs, masked when rows are odd."""
+    import torch.nn.functional as F
+    x, t = tf.rand((rows, 5)), torch.randint(0, 5, (rows,))
+    t[::7] = -100
+    e = tf.check(lambda x, t: F.cross_entropy(x, t), x, t, options={"cpu_backend": "triton"}, kernels=3,
+                 atol=1e-5, rtol=1e-5)
+    assert any(k.name.endswith("_part") for k in e.kernels)
+
+
+def test_plain_reduction_of_the_same_size_does_not_split(tf, gpu_like_split):
+    tf.check(lambda x: x.sum(), tf.rand((2048,)), options={"cpu_backend": "triton"}, kernels=1)
+
+
+@pytest.mark.parametrize("shape,kernels", [((1024, 100), 2), ((1024, 3000), 1), ((1023, 99), 2)])
+def test_column_sums_split_by_tiles(tf, gpu_like_split, shape, kernels):
+    """Column sums of 100 columns are 4 tiles of 32: split so that partials fill the target;
+    3000 columns are 94 tiles, already enough programs."""
+    tf.check(lambda x: x.sum(0), tf.rand(shape), options={"cpu_backend": "triton"}, kernels=kernels,
+             atol=1e-4, rtol=1e-4)

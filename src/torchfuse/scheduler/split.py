@@ -45,6 +45,14 @@ class SplitParams:
     target: int          # programs / loop iterations wanted in K1 (about 2x SMs, 4x threads)
     min_chunk: int       # fewest reduced elements per partial
     min_numel: int       # rows * R below this is not worth a second kernel
+    # Reductions whose body gathers (a load indexed by another load: a cross entropy's target
+    # logits, one per row) are latency-bound, not bandwidth-bound: one program walking 32768
+    # gathers took 80 us on an H100.  They split at fewer elements, into shorter chunks.
+    gather_chunk: int = 0       # 0: min_chunk
+    gather_min_numel: int = 0   # 0: min_numel
+    # Column-like data is reduced in tiles of this many rows per program (Triton's column plan):
+    # the program count is rows / column_tile, not rows.  1: tiles are not counted (C++).
+    column_tile: int = 1
 
     @staticmethod
     def for_device(device: str, num_threads: int, min_chunk: int = 0) -> "SplitParams":
@@ -54,12 +62,15 @@ class SplitParams:
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             # a launch costs a few microseconds: below ~256K elements one program is as fast
             target, chunk, numel = 2 * sms, 4096, 1 << 18
+            gather_chunk, gather_numel, column_tile = 256, 1 << 12, 32
         else:
             # 4 chunks per thread balance the load; OpenMP start-up wants >= ~64K elements each
             target, chunk, numel = 4 * max(1, num_threads), 1 << 16, 1 << 20
+            gather_chunk, gather_numel, column_tile = 0, 0, 1
         if min_chunk:
             chunk, numel = min_chunk, 2 * min_chunk
-        return SplitParams(target, chunk, numel)
+            gather_chunk, gather_numel = min(gather_chunk or chunk, chunk), min(gather_numel or numel, numel)
+        return SplitParams(target, chunk, numel, gather_chunk, gather_numel, column_tile)
 
 
 def split_factor(rows: int, length: int, target: int, min_chunk: int) -> int:
@@ -139,9 +150,26 @@ def _column_like(kernel: Kernel, red: list[Member]) -> bool:
     return False
 
 
+def _gathers(red: list[Member]) -> bool:
+    """Does a reduction body load through an index that is itself loaded?"""
+    return any(loads(ld.args[0]) for m in red for ld in loads(m.body))
+
+
 class _Splitter:
     def __init__(self, program: LoweredGraph, readers: dict[str, set[str]], params: SplitParams):
         self.program, self.readers, self.params = program, readers, params
+
+    def _sizing(self, kernel: Kernel, red: list[Member]) -> tuple[int, int, int]:
+        """(programs a row count alone gives, fewest elements per partial, fewest elements worth
+        splitting) for this kernel's static row count."""
+        p, rows = self.params, _product(kernel.outer).arg
+        column = _column_like(kernel, red)
+        programs = -(-rows // p.column_tile) if column and p.column_tile > 1 else rows
+        if _gathers(red):
+            return programs, p.gather_chunk or p.min_chunk, p.gather_min_numel or p.min_numel
+        # a column tile program reads column_tile rows per reduced element: shorter chunks
+        chunk = max(1, p.min_chunk // 4) if column and p.column_tile > 1 else p.min_chunk
+        return programs, chunk, p.min_numel
 
     def why_not(self, kernel: Kernel) -> str:
         """Empty when `kernel` should be split, else the reason (for the log)."""
@@ -150,13 +178,15 @@ class _Splitter:
         rows, length = _product(kernel.outer), _product(kernel.inner)
         if rows.op != "const":
             return f"symbolic row count {rows} (could be large; rows already fill the machine then)"
-        if rows.arg == 0 or rows.arg * 2 > self.params.target:
+        red = [m for m in kernel.members if m.role == "reduce"]
+        programs, chunk, min_numel = self._sizing(kernel, red)
+        if rows.arg == 0 or programs * 2 > self.params.target:
             return f"{rows.arg} rows already fill the {self.params.target} programs"
         if length.op == "const":
-            if rows.arg * length.arg < self.params.min_numel:
+            if rows.arg * length.arg < min_numel:
                 return f"{rows.arg}x{length.arg} elements are too few to pay for a second kernel"
-            if split_factor(rows.arg, length.arg, self.params.target, self.params.min_chunk) < 2:
-                return f"rows of {length.arg} are shorter than two chunks of {self.params.min_chunk}"
+            if split_factor(programs, length.arg, self.params.target, chunk) < 2:
+                return f"rows of {length.arg} are shorter than two chunks of {chunk}"
         return ""
 
     def split(self, kernel: Kernel) -> list[Kernel] | str:
@@ -167,12 +197,14 @@ class _Splitter:
         p = self.params
         rows, length = _product(kernel.outer), _product(kernel.inner)
         bindings: list[tuple[str, str]] = []
-        # Column-like data (contiguous across rows, e.g. [8M, 8].sum(0)): a program should read
-        # all rows of its chunk (the Triton launcher tiles several rows), so S alone fills the
-        # machine
-        per_row = 1 if _column_like(kernel, red) else rows.arg
+        # Column-like data (contiguous across rows, e.g. [8M, 8].sum(0)): a program reads
+        # column_tile rows of its chunk (the Triton launcher tiles several rows), so fewer
+        # partials fill the machine (C++: S alone does)
+        programs, min_chunk, _ = self._sizing(kernel, red)
+        per_row = programs if _column_like(kernel, red) and p.column_tile > 1 else \
+            1 if _column_like(kernel, red) else rows.arg
         if length.op == "const":
-            s = split_factor(per_row, length.arg, p.target, p.min_chunk)
+            s = split_factor(per_row, length.arg, p.target, min_chunk)
             # a divisor of R near s avoids the bounds mask (and keeps C++ inner loops vectorized)
             divisor = next((d for d in range(s, (s + 1) // 2 - 1, -1) if length.arg % d == 0), None)
             s = divisor or s
@@ -181,7 +213,7 @@ class _Splitter:
             from ..runtime.wrapper import py_index
             split, chunk, masked = sym(f"{kernel.name}_split"), sym(f"{kernel.name}_chunk"), True
             r = py_index(length)
-            bindings = [(split.arg, f"_split_factor({per_row}, {r}, {p.target}, {p.min_chunk})"),
+            bindings = [(split.arg, f"_split_factor({per_row}, {r}, {p.target}, {min_chunk})"),
                         (chunk.arg, f"-(-({r}) // {split.arg})")]
         if masked:
             # K1's last chunk runs past R, and stores are not masked: a per-element member that
