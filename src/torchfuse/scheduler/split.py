@@ -182,11 +182,14 @@ class _Splitter:
         programs, chunk, min_numel = self._sizing(kernel, red)
         if rows.arg == 0 or programs * 2 > self.params.target:
             return f"{rows.arg} rows already fill the {self.params.target} programs"
+        # Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
+        # [2048, 768-3072] weight-gradient sums of a training step) and cost a second kernel.
+        fewest = 4 if programs != rows.arg else 2
         if length.op == "const":
             if rows.arg * length.arg < min_numel:
                 return f"{rows.arg}x{length.arg} elements are too few to pay for a second kernel"
-            if split_factor(programs, length.arg, self.params.target, chunk) < 2:
-                return f"rows of {length.arg} are shorter than two chunks of {chunk}"
+            if split_factor(programs, length.arg, self.params.target, chunk) < fewest:
+                return f"rows of {length.arg} are shorter than {fewest} chunks of {chunk}"
         return ""
 
     def split(self, kernel: Kernel) -> list[Kernel] | str:
