@@ -270,7 +270,7 @@ def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int
         return fast
     binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
     if fast is None:
-        fast = table[key] = _make_fast(binary, args, constexprs, grid)
+        table[key] = _make_fast(binary, args, constexprs, grid)
     return None       # (this launch went through Triton: a site binds on its next call)
 
 

@@ -159,17 +159,16 @@ class _Splitter:
     def __init__(self, program: LoweredGraph, readers: dict[str, set[str]], params: SplitParams):
         self.program, self.readers, self.params = program, readers, params
 
-    def _sizing(self, kernel: Kernel, red: list[Member]) -> tuple[int, int, int]:
-        """(programs a row count alone gives, fewest elements per partial, fewest elements worth
-        splitting) for this kernel's static row count."""
+    def _sizing(self, kernel: Kernel, red: list[Member]) -> tuple[int, int, int, bool]:
+        """(programs the rows alone give, fewest elements per partial, fewest elements worth
+        splitting, whether programs are column tiles) for this kernel's static row count."""
         p, rows = self.params, _product(kernel.outer).arg
-        column = _column_like(kernel, red)
-        programs = -(-rows // p.column_tile) if column and p.column_tile > 1 else rows
+        tiled = p.column_tile > 1 and _column_like(kernel, red)
+        programs = -(-rows // p.column_tile) if tiled else rows
         if _gathers(red):
-            return programs, p.gather_chunk or p.min_chunk, p.gather_min_numel or p.min_numel
+            return programs, p.gather_chunk or p.min_chunk, p.gather_min_numel or p.min_numel, tiled
         # a column tile program reads column_tile rows per reduced element: shorter chunks
-        chunk = max(1, p.min_chunk // 4) if column and p.column_tile > 1 else p.min_chunk
-        return programs, chunk, p.min_numel
+        return programs, max(1, p.min_chunk // 4) if tiled else p.min_chunk, p.min_numel, tiled
 
     def why_not(self, kernel: Kernel) -> str:
         """Empty when `kernel` should be split, else the reason (for the log)."""
@@ -179,12 +178,12 @@ class _Splitter:
         if rows.op != "const":
             return f"symbolic row count {rows} (could be large; rows already fill the machine then)"
         red = [m for m in kernel.members if m.role == "reduce"]
-        programs, chunk, min_numel = self._sizing(kernel, red)
+        programs, chunk, min_numel, tiled = self._sizing(kernel, red)
         if rows.arg == 0 or programs * 2 > self.params.target:
             return f"{rows.arg} rows already fill the {self.params.target} programs"
         # Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
         # [2048, 768-3072] weight-gradient sums of a training step) and cost a second kernel.
-        fewest = 4 if programs != rows.arg else 2
+        fewest = 4 if tiled else 2
         if length.op == "const":
             if rows.arg * length.arg < min_numel:
                 return f"{rows.arg}x{length.arg} elements are too few to pay for a second kernel"
@@ -203,9 +202,8 @@ class _Splitter:
         # Column-like data (contiguous across rows, e.g. [8M, 8].sum(0)): a program reads
         # column_tile rows of its chunk (the Triton launcher tiles several rows), so fewer
         # partials fill the machine (C++: S alone does)
-        programs, min_chunk, _ = self._sizing(kernel, red)
-        per_row = programs if _column_like(kernel, red) and p.column_tile > 1 else \
-            1 if _column_like(kernel, red) else rows.arg
+        programs, min_chunk, _, tiled = self._sizing(kernel, red)
+        per_row = programs if tiled else 1 if _column_like(kernel, red) else rows.arg
         if length.op == "const":
             s = split_factor(per_row, length.arg, p.target, min_chunk)
             # a divisor of R near s avoids the bounds mask (and keeps C++ inner loops vectorized)
