@@ -11,37 +11,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu_bench  # noqa: E402  (GPU-only timing by CUDA-graph replay, shared with the kernel table)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-import torchfuse  # noqa: F401
-from torchfuse.runtime import triton_launch
+from torchfuse.runtime import triton_launch  # noqa: E402
 
 FNS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
        "chain": lambda x: ((x * 1.5 + 0.3).relu() * 0.7).sigmoid()}
-
-
-def bench(fn, x) -> float:
-    """GPU ms per call: 20 calls captured in a CUDA graph and replayed, so the host path (which
-    is longer than these kernels) does not hide the kernel time."""
-    for _ in range(3):
-        fn(x)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn(x)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(15):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 20)
-    samples.sort()
-    return samples[len(samples) // 2]
 
 
 def inductor_config(fn, x) -> str:
@@ -78,10 +58,10 @@ def main() -> None:
             x = torch.randn(*map(int, shape.split("x")), device="cuda", dtype=dtype)
             torch._dynamo.reset()
             ind = torch.compile(fn)
-            t_ind = bench(ind, x)
+            t_ind = gpu_bench.bench_graph(ind, x)
             cfg = inductor_config(fn, x)
             torch._dynamo.reset()
-            t_tf = bench(torch.compile(fn, backend="torchfuse"), x)
+            t_tf = gpu_bench.bench_graph(torch.compile(fn, backend="torchfuse"), x)
             forced = []
             for xblock, warps in grid:
                 def plan(kernel, xnumel, big, args, xblock=xblock, warps=warps):
@@ -91,7 +71,7 @@ def main() -> None:
                 triton_launch._modules.clear()      # fresh kernel objects: launch plans are memoized on them
                 try:
                     torch._dynamo.reset()
-                    forced.append(bench(torch.compile(fn, backend="torchfuse"), x))
+                    forced.append(gpu_bench.bench_graph(torch.compile(fn, backend="torchfuse"), x))
                 finally:
                     triton_launch._pointwise_plan = original
             gb = 2 * x.numel() * x.element_size() / 1e9

@@ -153,17 +153,34 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b)
 
 
+def _binder(launcher: Callable, before: tuple, extra: tuple, device: int, packed: bool) -> Callable:
+    """`bind(grid, tail) -> go(*args)` for a launcher called as
+    `launcher(gx, gy, gz, stream, *before, <args + tail + extra>)`, the kernel arguments either
+    spread out or `packed` into one tuple."""
+    import torch
+    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
+    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
+    stream = torch._C._cuda_getCurrentRawStream
+
+    def bind(grid: tuple, tail: tuple) -> Callable:
+        (gx, gy, gz), rest = grid, tuple(tail) + extra
+        if packed:
+            def go(*args: Any) -> None:
+                launcher(gx, gy, gz, stream(device), *before, args + rest)
+        else:
+            def go(*args: Any) -> None:
+                launcher(gx, gy, gz, stream(device), *before, *args, *rest)
+        return go
+    return bind
+
+
 def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[Callable]:
     """Ways to call the compiled binary's launcher, fastest first, each as
     `bind(grid, tail) -> go(*args)`.  `args` are the kernel's arguments with pointers as ints:
     Triton's C launchers take an int as the device pointer itself, where for a tensor they call
     `data_ptr()` and ask the driver about the pointer (`cuPointerGetAttribute`) on every launch.
     Each convention is only trusted after it reproduced a launch (see `_make_fast`)."""
-    import torch
     run, function, meta = binary.run, binary.function, binary.packed_metadata
-    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
-    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
-    stream = torch._C._cuda_getCurrentRawStream
     launch = getattr(run, "launch", None)
     # The C launcher itself, past the Python `CudaLauncher.__call__` (which allocates scratch
     # memory, none here, and builds two closures per launch).  Its arguments changed in Triton
@@ -173,34 +190,14 @@ def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[Callab
     coop, pdl = getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False)
     for extra in (constexprs, ()):      # newer Triton: all params; older: the runtime ones
         if direct and hasattr(run, "kernel_signature"):
-            annotations, signature = run.arg_annotations, run.kernel_signature
-
-            def bind(grid: tuple, tail: tuple, extra: tuple = extra) -> Callable:
-                (gx, gy, gz), rest = grid, tuple(tail) + extra
-
-                def go(*args: Any) -> None:
-                    launch(gx, gy, gz, stream(device), function, coop, pdl, meta, None, None, None, None, None,
-                           annotations, signature, args + rest)
-                return go
-            yield bind
+            before = (function, coop, pdl, meta, None, None, None, None, None, run.arg_annotations,
+                      run.kernel_signature)
+            yield _binder(launch, before, extra, device, packed=True)
         elif direct:
-            def bind(grid: tuple, tail: tuple, extra: tuple = extra) -> Callable:   # noqa: F811
-                (gx, gy, gz), rest = grid, tuple(tail) + extra
-
-                def go(*args: Any) -> None:
-                    launch(gx, gy, gz, stream(device), function, coop, pdl, None, None, meta, None, None, None,
-                           *args, *rest)
-                return go
-            yield bind
-
+            before = (function, coop, pdl, None, None, meta, None, None, None)
+            yield _binder(launch, before, extra, device, packed=False)
     for extra in (constexprs, ()):      # the Python launcher, as Triton's own launch calls it
-        def bind(grid: tuple, tail: tuple, extra: tuple = extra) -> Callable:      # noqa: F811
-            (gx, gy, gz), rest = grid, tuple(tail) + extra
-
-            def go(*args: Any) -> None:
-                run(gx, gy, gz, stream(device), function, meta, None, None, None, *args, *rest)
-            return go
-        yield bind
+        yield _binder(run, (function, meta, None, None, None), extra, device, packed=False)
 
 
 def _pointer(a: Any) -> Any:
