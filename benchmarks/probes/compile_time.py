@@ -1,9 +1,17 @@
-"""First-call (compile) time of a model with fresh caches: torchfuse with and without parallel
-Triton precompile, and Inductor.  One process per measurement (caches must be cold).
+"""Where a model's first call (cold compile) goes: Dynamo alone, Dynamo + AOTAutograd, torchfuse
+(with and without parallel Triton precompile) and Inductor, each in a fresh process with fresh
+cache directories.  torchfuse's own stages come from `torchfuse.counters.seconds`.
 
-    python benchmarks/probes/compile_time.py [gpt2-bf16] """
+    python benchmarks/probes/compile_time.py [gpt2-bf16,resnet] [--backends eager,aot_eager,...]
+
+Backends: `eager` is Dynamo's trace alone (the graph runs as is), `aot_eager` adds AOTAutograd's
+functionalized aten trace, `torchfuse:N` is torchfuse with `compile_workers=N` (0: one per core),
+`inductor` is the default backend.  Every child first compiles a tiny function with its backend,
+so one-time imports and CUDA start-up are not counted.
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,22 +23,35 @@ import os, sys, time, json
 sys.path.insert(0, {probes!r})
 import torch, torchfuse
 from model_profile import models
-name, backend, workers = {name!r}, {backend!r}, {workers!r}
+name, backend = {name!r}, {backend!r}
+kw = {{"backend": backend}}
+if backend.startswith("torchfuse"):
+    kw = {{"backend": "torchfuse", "options": {{"compile_workers": int(backend.split(":")[1])}}}}
+elif backend == "inductor":
+    kw = {{}}
+tiny = torch.compile(lambda x: (x * 2 + 1).sum(-1), **kw)
+tiny(torch.randn(4, 8, device="cuda")); torch.cuda.synchronize()
+torch._dynamo.reset(); torchfuse.counters.seconds.clear()
 make_model, make_args = models()[name]
 model, args = make_model(), make_args()
 with torch.no_grad():
-    fn = torch.compile(model) if backend == "inductor" else \
-        torch.compile(model, backend="torchfuse", options={{"compile_workers": workers}})
+    fn = torch.compile(model, **kw)
     torch.cuda.synchronize(); t = time.perf_counter(); fn(*args); torch.cuda.synchronize()
     first = time.perf_counter() - t
-print(json.dumps({{"first": first, "precompiled": torchfuse.counters["kernels_precompiled"]}}))
+    t = time.perf_counter(); fn(*args); torch.cuda.synchronize()
+    second = time.perf_counter() - t
+out = {{"first": first, "second": second, "precompiled": torchfuse.counters["kernels_precompiled"],
+       "kernels": torchfuse.counters["kernels_generated"]}}
+out.update({{k: round(v, 3) for k, v in torchfuse.counters.seconds.items()}})
+print(json.dumps(out))
 '''
 
 
-def measure(name: str, backend: str, workers: int) -> dict:
+def measure(name: str, backend: str) -> dict:
     tmp = tempfile.mkdtemp(prefix="tf-ct-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/i", TRITON_CACHE_DIR=f"{tmp}/t", TORCHFUSE_CACHE_DIR=f"{tmp}/f")
-    code = CHILD.format(probes=os.path.dirname(os.path.abspath(__file__)), name=name, backend=backend, workers=workers)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/i", TRITON_CACHE_DIR=f"{tmp}/t",
+               TORCHFUSE_CACHE_DIR=f"{tmp}/f")
+    code = CHILD.format(probes=os.path.dirname(os.path.abspath(__file__)), name=name, backend=backend)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -38,7 +59,27 @@ def measure(name: str, backend: str, workers: int) -> dict:
         return {"error": out.stderr[-800:]}
 
 
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs="?", default="gpt2-bf16")
+    ap.add_argument("--backends", default="eager,aot_eager,torchfuse:0,torchfuse:1,inductor")
+    a = ap.parse_args()
+    rows = []
+    for name in a.models.split(","):
+        for backend in a.backends.split(","):
+            r = measure(name, backend)
+            print(name, backend, json.dumps(r), flush=True)
+            rows.append((name, backend, r))
+    stages = ["backend", "passes", "lowering", "schedule", "codegen", "build", "precompile"]
+    print("\n| model | backend | first call s | " + " | ".join(stages) + " | kernels |")
+    print("|---|---|---|" + "---|" * (len(stages) + 1))
+    for name, backend, r in rows:
+        if "error" in r:
+            print(f"| {name} | {backend} | error |" + " |" * (len(stages) + 1))
+            continue
+        cells = " | ".join(f"{r[s]:.2f}" if s in r else "" for s in stages)
+        print(f"| {name} | {backend} | {r['first']:.2f} | {cells} | {r['kernels'] or ''} |")
+
+
 if __name__ == "__main__":
-    for name in (sys.argv[1] if len(sys.argv) > 1 else "gpt2-bf16").split(","):
-        for backend, workers in (("torchfuse", 1), ("torchfuse", 0), ("inductor", 0)):
-            print(name, backend, f"workers={workers}", measure(name, backend, workers), flush=True)
+    main()

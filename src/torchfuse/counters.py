@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+import time
+from typing import Iterator
 
 
 class Counters(collections.Counter):
@@ -17,13 +20,32 @@ class Counters(collections.Counter):
       fallback_ops      aten ops executed through ATen inside compiled graphs
       eager_fallbacks   whole graphs run eagerly because a kernel failed to build
       kernels_precompiled Triton kernels compiled in parallel before a graph's first call
+
+    `seconds` adds up the wall time of each compile stage (passes, lowering, schedule, codegen,
+    build, precompile), so compile time can be split between torchfuse and what comes before it.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: collections.Counter = collections.Counter()
 
     _lock = threading.Lock()
 
     def bump(self, key: str, amount: int = 1) -> None:
         with self._lock:
             self[key] += amount
+
+    def add_seconds(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] += seconds
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_seconds(stage, time.perf_counter() - start)
 
     @property
     def cache_hits(self) -> int:

@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from ..api import Explanation
 from ..config import Config
+from ..counters import counters
 from .decompositions import decomposition_table
 
 
@@ -40,7 +41,8 @@ class TorchfuseBackend:
         aot = aot_autograd(fw_compiler=backend._compiler("forward"), bw_compiler=backend._compiler("backward"),
                            inference_compiler=backend._compiler("inference"),
                            decompositions=decomposition_table(), partition_fn=partition)
-        return aot(gm, example_inputs)
+        with counters.timed("backend"):      # AOTAutograd + every compile_graph it calls
+            return aot(gm, example_inputs)
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:

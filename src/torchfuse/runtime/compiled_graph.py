@@ -48,10 +48,11 @@ class DebugWriter:
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
-    def write(self, stage: str, text: str) -> None:
+    def write(self, stage: str, text: str | Callable[[], str]) -> None:
+        """`text` may be a function, so a stage is printed only when debugging."""
         if self.dir is None:
             return
-        (self.dir / f"{self.step:02d}_{stage}").write_text(text)
+        (self.dir / f"{self.step:02d}_{stage}").write_text(text() if callable(text) else text)
         self.step += 1
 
 
@@ -62,33 +63,39 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     debug = DebugWriter(config, graph_name)
     counters.bump("graphs_compiled")
     t0 = time.perf_counter()
-    before = gm.print_readable(print_output=False)
+    # printing a large graph costs tens of ms: only when someone reads it
+    readable = debug.dir is not None or report is not None
+    before = gm.print_readable(print_output=False) if readable else ""
     debug.write("aten_graph.txt", before)
     device = _graph_device(gm)
     passes = [p for p in config.passes if p != "conv_bn_fold" or device in config.conv_bn_fold_devices]
-    records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices))
-    after = gm.print_readable(print_output=False)
+    with counters.timed("passes"):
+        records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices))
+    after = gm.print_readable(print_output=False) if readable else ""
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
     if report is not None:
         report.graphs += [f"# {graph_name}: aten graph\n{before}", f"# {graph_name}: after passes\n{after}"]
         report.passes += [f"{graph_name}: {r}" for r in records]
     try:
-        program, fallbacks = lower_graph(gm, config)
+        with counters.timed("lowering"):
+            program, fallbacks = lower_graph(gm, config)
     except Unsupported as e:
         warnings.warn(f"torchfuse: {graph_name} runs eagerly: {e}")
         counters.bump("eager_fallbacks")
         return _eager(gm)
-    debug.write("loop_ir.txt", str(program))
-    sched = schedule(program, config)
-    if config.split_reductions:
-        sched = split_reductions(sched, program, buffer_readers(sched, program), _split_params(program, config))
-    debug.write("fusion.txt", str(sched))
+    debug.write("loop_ir.txt", lambda: str(program))
+    with counters.timed("schedule"):
+        sched = schedule(program, config)
+        if config.split_reductions:
+            sched = split_reductions(sched, program, buffer_readers(sched, program), _split_params(program, config))
+    debug.write("fusion.txt", lambda: str(sched))
     counters.bump("fallback_ops", len(fallbacks))
     for node, op, reason in fallbacks:
         log.debug("%s: %s runs through ATen: %s", graph_name, op, reason)
 
     from ..runtime.wrapper import WrapperBuilder, make_callable, py_index
 
+    t_codegen = time.perf_counter()
     readers = buffer_readers(sched, program)
     dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
     device = program_device(program)
@@ -148,13 +155,16 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     counters.bump("kernels_generated", len(sources))
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls)
     wrapper_src = builder.build()
+    counters.add_seconds("codegen", time.perf_counter() - t_codegen)
     debug.write("wrapper.py", wrapper_src)
     if report is not None:
         report.kernels += infos
         report.fallbacks += [FallbackInfo(n, op, reason) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
     try:
-        kernels = _build(backend, sources, {k: v for k, v in kernel_args.items() if k not in aliases}, config, debug)
+        with counters.timed("build"):
+            kernels = _build(backend, sources, {k: v for k, v in kernel_args.items() if k not in aliases}, config,
+                             debug)
         for dup, first in aliases.items():
             for suffix in ("", "_persistent", "_looped", "_tiled"):
                 if first + suffix in kernels:
@@ -165,7 +175,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
                 kernels[f"{name}_site"] = make_site(kernels[helper], [kernels[v] for v in variants], n_sizes, n_bufs,
                                                     n_syms, **kw)
         if backend == "triton" and not config.autotune and config.compile_workers != 1:
-            _precompile(kernels, kernel_calls, sched, program, config)
+            with counters.timed("precompile"):
+                _precompile(kernels, kernel_calls, sched, program, config)
     except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
         if config.strict:
             raise
