@@ -34,10 +34,20 @@ tiny(torch.randn(4, 8, device="cuda")); torch.cuda.synchronize()
 torch._dynamo.reset(); torchfuse.counters.seconds.clear()
 make_model, make_args = models()[name]
 model, args = make_model(), make_args()
+profile = {profile!r} and backend.startswith("torchfuse")
 with torch.no_grad():
     fn = torch.compile(model, **kw)
+    if profile:
+        import cProfile, pstats, io
+        prof = cProfile.Profile(); prof.enable()
     torch.cuda.synchronize(); t = time.perf_counter(); fn(*args); torch.cuda.synchronize()
     first = time.perf_counter() - t
+    if profile:
+        prof.disable(); buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+        with open(os.path.join({profile!r}, f"profile_{{name}}_{{backend.replace(':', '_')}}.txt"), "w") as f:
+            f.write(buf.getvalue())
     t = time.perf_counter(); fn(*args); torch.cuda.synchronize()
     second = time.perf_counter() - t
 out = {{"first": first, "second": second, "precompiled": torchfuse.counters["kernels_precompiled"],
@@ -47,11 +57,12 @@ print(json.dumps(out))
 '''
 
 
-def measure(name: str, backend: str) -> dict:
+def measure(name: str, backend: str, profile: str = "") -> dict:
     tmp = tempfile.mkdtemp(prefix="tf-ct-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{tmp}/i", TRITON_CACHE_DIR=f"{tmp}/t",
                TORCHFUSE_CACHE_DIR=f"{tmp}/f")
-    code = CHILD.format(probes=os.path.dirname(os.path.abspath(__file__)), name=name, backend=backend)
+    code = CHILD.format(probes=os.path.dirname(os.path.abspath(__file__)), name=name, backend=backend,
+                       profile=profile)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -63,14 +74,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="?", default="gpt2-bf16")
     ap.add_argument("--backends", default="eager,aot_eager,torchfuse:0,torchfuse:1,inductor")
+    ap.add_argument("--profile", default="", help="folder for a cProfile of each torchfuse first call")
     a = ap.parse_args()
     rows = []
     for name in a.models.split(","):
         for backend in a.backends.split(","):
-            r = measure(name, backend)
+            r = measure(name, backend, a.profile)
             print(name, backend, json.dumps(r), flush=True)
             rows.append((name, backend, r))
     stages = ["backend", "passes", "lowering", "schedule", "codegen", "build", "precompile"]
+    print("\nbackend: AOTAutograd + torchfuse's stages; precompile: the worker processes + loading")
     print("\n| model | backend | first call s | " + " | ".join(stages) + " | kernels |")
     print("|---|---|---|" + "---|" * (len(stages) + 1))
     for name, backend, r in rows:

@@ -79,8 +79,9 @@ class Config:
     (tests set it small to split small tensors)."""
 
     compile_workers: int = 0
-    """Threads that compile a graph's Triton kernels in parallel before its first call (0: one
-    per CPU core, at most 16; 1: compile each kernel on its first launch, as Triton does)."""
+    """Worker processes that compile a graph's Triton kernels in parallel before its first call
+    (0: one per CPU core, at most 16; 1: compile each kernel on its first launch, as Triton
+    does).  See runtime/compile_workers.py."""
 
     # --- backends ---------------------------------------------------------------------------
     cpu_backend: str = "cpp"

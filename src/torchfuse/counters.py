@@ -20,6 +20,7 @@ class Counters(collections.Counter):
       fallback_ops      aten ops executed through ATen inside compiled graphs
       eager_fallbacks   whole graphs run eagerly because a kernel failed to build
       kernels_precompiled Triton kernels compiled in parallel before a graph's first call
+      kernels_compiled_in_workers  of those, the ones a worker process compiled
 
     `seconds` adds up the wall time of each compile stage (passes, lowering, schedule, codegen,
     build, precompile), so compile time can be split between torchfuse and what comes before it.

@@ -156,3 +156,22 @@ def test_gpt2_inference(tf):
         ref = model(ids).logits
         out = torch.compile(model, backend="torchfuse", options={**TRITON, "strict": True})(ids).logits
     tf.assert_same(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpp"])
+def test_layers_of_identical_kernels_build_one(tf, backend):
+    """Each layer of a transformer generates the same kernels up to buffer names, including the
+    looped variant's accumulators (`acc_buf38`), which are not kernel arguments: they are built
+    once and every layer calls that build with its own buffers."""
+    from torchfuse import counters
+
+    def layers(x, w1, w2, w3):
+        for w in (w1, w2, w3):
+            x = F.layer_norm(x @ w, x.shape[-1:]) * 1.5
+        return x
+    x = tf.rand((6, 40))
+    ws = [tf.rand((40, 40)) for _ in range(3)]
+    before = counters["kernels_generated"]
+    e = tf.check(layers, x, *ws, options={"cpu_backend": backend}, kernels=3, allow_fallbacks=("aten.mm.default",))
+    assert counters["kernels_generated"] - before == 1
+    assert e.kernels[0].source.replace("kernel0", "K") != e.kernels[1].source.replace("kernel1", "K")  # other names

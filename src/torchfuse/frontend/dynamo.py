@@ -35,6 +35,7 @@ class TorchfuseBackend:
             config = Config.from_options({**_config_dict(config), **(kwargs.get("options") or {})},
                                          mode=kwargs.get("mode"))
         backend = TorchfuseBackend(config, self.report) if config is not self.config else self
+        _start_compile_workers(example_inputs, config)
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import default_partition
         partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
@@ -43,6 +44,18 @@ class TorchfuseBackend:
                            decompositions=decomposition_table(), partition_fn=partition)
         with counters.timed("backend"):      # AOTAutograd + every compile_graph it calls
             return aot(gm, example_inputs)
+
+
+def _start_compile_workers(example_inputs: list, config: Config) -> None:
+    """A CUDA graph's Triton kernels compile in worker processes; start them now, so they import
+    torch and Triton while AOTAutograd traces and torchfuse lowers the graph."""
+    if config.compile_workers == 1 or config.autotune:
+        return
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
+        return
+    from ..runtime import compile_workers, triton_precompile
+    if triton_precompile.enabled():
+        compile_workers.pool(config.compile_workers or triton_precompile.default_workers()).start()
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:

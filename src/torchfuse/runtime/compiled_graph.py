@@ -233,9 +233,17 @@ def _needs_64bit_expr(program, bufs: list[str], plan) -> str:
 
 
 def _canonical(src: str, name: str, bufs: list[str]) -> str:
+    """The kernel's source with its arguments named by position and every other buffer name
+    (accumulators such as `acc_buf38`, locals) by order of first appearance: kernels equal
+    under this renaming are the same code."""
     import re
     mapping = {b: f"arg{i}" for i, b in enumerate(bufs)}
-    src = re.sub(r"\b(?:in|buf|const)\d+(?:_part)?\b", lambda m: mapping.get(m.group(0), m.group(0)), src)
+
+    def rename(m: re.Match) -> str:
+        return mapping.setdefault(m.group(0), f"local{len(mapping) - len(bufs)}")
+    # buffer names also appear inside other identifiers (acc_buf38, acc_buf39_k): not after a
+    # letter or digit, not followed by one
+    src = re.sub(r"(?<![A-Za-z0-9])(?:in|buf|const)\d+(?:_part)?(?![A-Za-z0-9])", rename, src)
     # Triton reduction and tiled kernels are named <kernel>_persistent / _looped / _tiled
     return re.sub(rf"\b{re.escape(name)}(?=_persistent\b|_looped\b|_tiled\b|\b)", "KERNEL", src)
 

@@ -76,12 +76,16 @@ def plan_launches(calls: Iterable[tuple[str, list[tuple[str, str]]]], scope: dic
     return planned
 
 
-def precompile(launches: list[tuple], workers: int) -> int:
-    """Compile the planned `launches` in a pool of `workers` threads; returns how many."""
+def precompile(launches: list[tuple], workers: int, processes: bool = True) -> int:
+    """Compile the planned `launches` with `workers` worker processes (compile_workers.py), then
+    load them in a pool of as many threads (cache hits by then; the threads compile whatever a
+    worker could not); returns how many launches were planned."""
     if not launches or workers < 2 or not enabled():
         return 0
     import triton
     start = time.perf_counter()
+    if processes:
+        _compile_in_workers(launches, workers)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="torchfuse-compile") as pool:
             try:
@@ -98,6 +102,41 @@ def precompile(launches: list[tuple], workers: int) -> int:
     log.debug("torchfuse: precompiled %d Triton kernels with %d threads in %.2f s", len(launches), workers,
               time.perf_counter() - start)
     return len(launches)
+
+
+def _specialization(v: Any) -> Any:
+    """What Triton specializes an argument on (ints: 1, divisible by 16, 32-bit range)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        return v
+    return ("int", v == 1, v % 16 == 0, -2**31 <= v < 2**31)
+
+
+def _compile_in_workers(launches: list[tuple], workers: int) -> None:
+    from triton.runtime.driver import driver
+
+    from . import compile_workers
+    try:
+        import triton
+        target = driver.active.get_current_target()
+        cache_dir = triton.knobs.cache.dir if hasattr(triton, "knobs") else None
+    except Exception as e:      # no target to compile for: the threads compile everything
+        log.debug("torchfuse: no compile workers: %s: %s", type(e).__name__, e)
+        return
+    jobs, seen = [], set()
+    for kernel, grid, args, constexprs, warps, names in launches:
+        key = (id(kernel), tuple(map(_specialization, args)), constexprs, warps)
+        if key in seen:           # the same binary: aliases of one kernel, sizes Triton does not tell apart
+            continue
+        seen.add(key)
+        job = compile_workers.job_for(kernel, grid, args, {**dict(zip(names, constexprs)), "num_warps": warps},
+                                      target, cache_dir)
+        if job is not None:
+            jobs.append(job)
+    errors = [e for e in compile_workers.pool(workers).run(jobs) if e]
+    counters.bump("kernels_compiled_in_workers", len(jobs) - len(errors))
+    if errors:
+        log.debug("torchfuse: %d of %d worker compiles failed (compiled here instead), first: %s", len(errors),
+                  len(jobs), errors[0])
 
 
 def enabled() -> bool:

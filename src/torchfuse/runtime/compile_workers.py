@@ -1,0 +1,223 @@
+"""Triton kernels compiled in worker processes, into Triton's on-disk cache.
+
+Triton's compiler holds the GIL for much of a compile (its Python front end and the MLIR
+passes), so the threads of `AsyncCompileMode` overlapped about 2x: GPT-2's 31 kernels took 3.1 s
+with 16 threads on the lent H100 host, against 6 s one after another.  Here each planned launch
+(triton_precompile.py) goes to one of a few long-lived worker processes, which compile it with
+`kernel.warmup(...)` (and, on Triton 3.6, builds its C launcher); the parent then finds each
+binary in Triton's cache and loads it in milliseconds.
+
+Workers never touch the GPU.  They compile for the parent's target through `_TargetOnlyDriver`,
+which answers the three questions `warmup` asks of Triton's driver (device 0, stream 0, the
+parent's `GPUTarget`) and raises on anything else.  Anything a worker could not compile is
+compiled by the parent as before, so a failing or missing worker costs time, never results.
+
+Workers are started with `subprocess` (fork + exec of a fresh interpreter): forking a process
+that has CUDA and threads running is not safe, and multiprocessing's spawn would re-import the
+user's `__main__`.  They read pickled jobs on stdin and answer on a private copy of stdout; stray
+prints go to stderr, which is discarded.  They exit when the parent closes their stdin.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("torchfuse")
+
+# (module file, module name, kernel name, args (dtypes for tensors), grid, keyword arguments,
+#  GPUTarget, Triton cache dir or None)
+Job = tuple
+
+
+class WorkerPool:
+    """`size` worker processes, started on first use (or by `start`) and kept for the process."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._slots: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        for _ in range(size):
+            self._slots.put(None)         # None: not started yet (or died)
+
+    def start(self) -> None:
+        """Start every worker now, without waiting: they import torch and Triton while the caller
+        goes on tracing and lowering."""
+        procs = []
+        while True:
+            try:
+                procs.append(self._slots.get_nowait())
+            except queue.Empty:
+                break
+        for proc in procs:
+            self._slots.put(proc if _alive(proc) else _spawn())
+
+    def grow(self, size: int) -> None:
+        with self._lock:
+            for _ in range(size - self.size):
+                self._slots.put(None)
+            self.size = max(self.size, size)
+
+    def close(self) -> None:
+        """Stop the workers (they exit when their stdin closes)."""
+        while True:
+            try:
+                proc = self._slots.get_nowait()
+            except queue.Empty:
+                return
+            if proc is not None:
+                proc.stdin.close()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+    def run(self, jobs: Sequence[Job]) -> list[str | None]:
+        """Compile `jobs`; for each, None or the error (type and message) its worker reported."""
+        if not jobs:
+            return []
+        with ThreadPoolExecutor(min(self.size, len(jobs)), thread_name_prefix="torchfuse-worker") as threads:
+            return list(threads.map(self._one, jobs))
+
+    def _one(self, job: Job) -> str | None:
+        proc = self._slots.get()
+        try:
+            if not _alive(proc):
+                proc = _spawn()
+            pickle.dump(job, proc.stdin)
+            proc.stdin.flush()
+            return pickle.load(proc.stdout)
+        except Exception as e:        # the worker died (or could not start): its slot starts a new one
+            if proc is not None:
+                proc.kill()
+            proc = None
+            return f"worker failed: {type(e).__name__}: {e}"
+        finally:
+            self._slots.put(proc)
+
+
+def _alive(proc: subprocess.Popen | None) -> bool:
+    return proc is not None and proc.poll() is None
+
+
+def _spawn() -> subprocess.Popen:
+    # the child must import this package even when it is not installed (a path added at run time)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env.pop("TRITON_INTERPRET", None)    # workers exist to compile (tests set it process-wide)
+    return subprocess.Popen([sys.executable, "-m", "torchfuse.runtime.compile_workers"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+
+
+_pool: WorkerPool | None = None
+_pool_lock = threading.Lock()
+
+
+def pool(size: int) -> WorkerPool:
+    """The process-wide pool, with at least `size` workers."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = WorkerPool(size)
+        elif _pool.size < size:
+            _pool.grow(size)
+        return _pool
+
+
+def job_for(kernel: Any, grid: tuple, args: tuple, keywords: dict, target: Any, cache_dir: str | None) -> Job | None:
+    """The job compiling `kernel.warmup(*args, grid=grid, **keywords)` in a worker, or None when
+    the kernel was not loaded from a file a worker can import."""
+    fn = getattr(kernel, "fn", None)
+    scope = getattr(fn, "__globals__", {})
+    path, module = scope.get("__file__"), scope.get("__name__")
+    if not path or not module or not os.path.exists(path):
+        return None
+    return (path, module, fn.__name__, args, grid, keywords, target, cache_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker side.
+
+class _TargetOnlyDriver:
+    """What `JITFunction.warmup` needs of Triton's driver to compile, and nothing else."""
+
+    def __init__(self, target: Any):
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        return self.target
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"a torchfuse compile worker has no GPU: driver.{name} is not available")
+
+
+_modules: dict[str, Any] = {}
+
+
+def compile_job(job: Job) -> None:
+    """Compile one job in this process (the worker's side; also callable in-process by tests)."""
+    import importlib.util
+
+    import triton
+    from triton.runtime.driver import driver
+    path, module_name, kernel_name, args, grid, keywords, target, cache_dir = job
+    current = getattr(driver, "_active", None)     # not `driver.active`: that would look for a GPU
+    if not isinstance(current, _TargetOnlyDriver) or current.target != target:
+        driver.set_active(_TargetOnlyDriver(target))
+    if cache_dir and hasattr(triton, "knobs"):
+        triton.knobs.cache.dir = cache_dir
+    module = _modules.get(path)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)     # type: ignore[union-attr]
+        _modules[path] = module
+    binary = getattr(module, kernel_name).warmup(*args, grid=grid, **keywords)
+    _build_launcher(binary)
+
+
+def _build_launcher(binary: Any) -> None:
+    """Triton before 3.7 also builds a C launcher per kernel signature, with the C compiler, when
+    a kernel is first launched: 0.27 s each on the lent host, one after another in the parent
+    (GPT-2 has 7 signatures).  Built here, it lands in Triton's cache too.  Later Triton has one
+    launcher for every kernel (no `make_launcher`), and nothing to build."""
+    from triton.backends.nvidia import driver as nvidia
+    if binary is not None and hasattr(nvidia, "make_launcher"):
+        nvidia.CudaLauncher(binary.src, binary.metadata)
+
+
+def main() -> None:
+    import torch  # noqa: F401  (imported before the first job arrives: jobs carry torch dtypes)
+    import triton.compiler  # noqa: F401
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)                 # prints from the compiler must not corrupt the answers
+    jobs = sys.stdin.buffer
+    while True:
+        try:
+            job = pickle.load(jobs)
+        except EOFError:
+            return
+        try:
+            compile_job(job)
+            answer = None
+        except BaseException as e:   # reported to the parent, which compiles the kernel itself
+            answer = f"{type(e).__name__}: {e}"
+        pickle.dump(answer, answers)
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Triton kernels compiled in worker processes (runtime/compile_workers.py).
+
+Triton compiles for a CUDA target without a GPU (its wheel ships ptxas), so the workers are
+tested here for real: a job leaves a cubin in Triton's cache, a second worker process finds
+the same cache entry (what the parent relies on: it loads what a worker compiled), errors come
+back as text, and a worker that died is replaced.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # as the other Triton tests; the workers drop it
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from torchfuse.runtime import compile_workers  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+KERNELS = '''
+import triton
+import triton.language as tl
+
+@triton.jit
+def scale(x, y, n, XBLOCK: tl.constexpr):
+    offs = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    mask = offs < n
+    tl.store(y + offs, tl.load(x + offs, mask) * 2.5, mask)
+
+@triton.jit
+def broken(x, n, XBLOCK: tl.constexpr):
+    offs = tl.arange(0, 3)          # not a power of two: Triton refuses it
+    tl.store(x + offs, 1.0)
+'''
+
+
+@pytest.fixture
+def setup(tmp_path):
+    from triton.backends.compiler import GPUTarget
+    module = tmp_path / "tf_test_kernels.py"
+    module.write_text(KERNELS)
+    pool = compile_workers.WorkerPool(2)
+    cache = tmp_path / "cache"
+
+    def job(name, dtype=torch.float32, n=1024, block=1024):
+        return (str(module), "tf_test_kernels", name, (dtype, dtype, n) if name == "scale" else (dtype, n), (1,),
+                {"XBLOCK": block, "num_warps": 4}, GPUTarget("cuda", 90, 32), str(cache))
+    yield pool, job, cache
+    pool.close()
+
+
+def _entries(cache: Path) -> set[str]:
+    return set(os.listdir(cache)) if cache.exists() else set()
+
+
+def test_a_job_leaves_a_binary_another_process_finds(setup):
+    pool, job, cache = setup
+    assert pool.run([job("scale"), job("scale", torch.bfloat16)]) == [None, None]
+    first = _entries(cache)
+    assert len(first) == 2          # one binary per dtype
+    assert any(f.endswith(".cubin") for d in first for f in os.listdir(cache / d))
+    other = compile_workers.WorkerPool(1)
+    try:
+        assert other.run([job("scale")]) == [None]
+    finally:
+        other.close()
+    assert _entries(cache) == first     # the same key in another process: a cache hit
+
+
+def test_errors_come_back_and_the_worker_goes_on(setup):
+    pool, job, cache = setup
+    answers = pool.run([job("broken"), job("scale"), job("missing")])
+    assert answers[0].startswith("CompilationError") and "power of 2" in answers[0]
+    assert answers[1] is None
+    assert answers[2].startswith("AttributeError")
+
+
+def test_a_dead_worker_is_replaced(setup):
+    pool, job, cache = setup
+    assert pool.run([job("scale")]) == [None]
+    for _ in range(pool.size):              # kill whatever workers were started
+        proc = pool._slots.get()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        pool._slots.put(proc)
+    assert pool.run([job("scale", block=512)]) == [None]
+    assert len(_entries(cache)) == 2
+
+
+def test_only_kernels_loaded_from_a_file_become_jobs():
+    from triton.backends.compiler import GPUTarget
+
+    @triton.jit
+    def local(x):
+        pass
+    target = GPUTarget("cuda", 90, 32)
+    # defined in this test file: importable by path, so it is a job
+    assert compile_workers.job_for(local, (1,), (torch.float32,), {}, target, None)[2] == "local"
+
+    class NotAKernel:
+        pass
+    assert compile_workers.job_for(NotAKernel(), (1,), (), {}, target, None) is None
