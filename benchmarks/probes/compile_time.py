@@ -29,13 +29,22 @@ if backend.startswith("torchfuse"):
     kw = {{"backend": "torchfuse", "options": {{"compile_workers": int(backend.split(":")[1])}}}}
 elif backend == "inductor":
     kw = {{}}
+import logging
+worker_lines = []
+class _Keep(logging.Handler):
+    def emit(self, record):
+        if "workers" in record.getMessage():
+            worker_lines.append(record.getMessage())
+logging.getLogger("torchfuse").setLevel(logging.DEBUG)
+logging.getLogger("torchfuse").addHandler(_Keep())
 tiny = torch.compile(lambda x: (x * 2 + 1).sum(-1), **kw)
 tiny(torch.randn(4, 8, device="cuda")); torch.cuda.synchronize()
 torch._dynamo.reset(); torchfuse.counters.seconds.clear()
 make_model, make_args = models()[name]
 model, args = make_model(), make_args()
 profile = {profile!r} and backend.startswith("torchfuse")
-with torch.no_grad():
+import contextlib
+with contextlib.nullcontext() if name.endswith("train") else torch.no_grad():
     fn = torch.compile(model, **kw)
     if profile:
         import cProfile, pstats, io
@@ -51,7 +60,7 @@ with torch.no_grad():
     t = time.perf_counter(); fn(*args); torch.cuda.synchronize()
     second = time.perf_counter() - t
 out = {{"first": first, "second": second, "precompiled": torchfuse.counters["kernels_precompiled"],
-       "kernels": torchfuse.counters["kernels_generated"]}}
+       "kernels": torchfuse.counters["kernels_generated"], "workers": worker_lines}}
 out.update({{k: round(v, 3) for k, v in torchfuse.counters.seconds.items()}})
 print(json.dumps(out))
 '''

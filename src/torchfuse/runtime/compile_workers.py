@@ -26,6 +26,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Sequence
@@ -79,14 +80,14 @@ class WorkerPool:
                 except subprocess.TimeoutExpired:
                     proc.kill()
 
-    def run(self, jobs: Sequence[Job]) -> list[str | None]:
-        """Compile `jobs`; for each, None or the error (type and message) its worker reported."""
+    def run(self, jobs: Sequence[Job]) -> list[tuple[str | None, float]]:
+        """Compile `jobs`; for each, (None or the error its worker reported, seconds it took)."""
         if not jobs:
             return []
         with ThreadPoolExecutor(min(self.size, len(jobs)), thread_name_prefix="torchfuse-worker") as threads:
             return list(threads.map(self._one, jobs))
 
-    def _one(self, job: Job) -> str | None:
+    def _one(self, job: Job) -> tuple[str | None, float]:
         proc = self._slots.get()
         try:
             if not _alive(proc):
@@ -98,7 +99,7 @@ class WorkerPool:
             if proc is not None:
                 proc.kill()
             proc = None
-            return f"worker failed: {type(e).__name__}: {e}"
+            return f"worker failed: {type(e).__name__}: {e}", 0.0
         finally:
             self._slots.put(proc)
 
@@ -210,12 +211,13 @@ def main() -> None:
             job = pickle.load(jobs)
         except EOFError:
             return
+        start = time.perf_counter()
         try:
             compile_job(job)
-            answer = None
+            error = None
         except BaseException as e:   # reported to the parent, which compiles the kernel itself
-            answer = f"{type(e).__name__}: {e}"
-        pickle.dump(answer, answers)
+            error = f"{type(e).__name__}: {e}"
+        pickle.dump((error, time.perf_counter() - start), answers)
         answers.flush()
 
 
