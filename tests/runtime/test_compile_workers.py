@@ -83,6 +83,18 @@ def test_errors_come_back_and_the_worker_goes_on(setup):
     assert answers[2].startswith("AttributeError")
 
 
+def test_workers_started_ahead_warm_up_then_take_jobs(setup):
+    pool, job, cache = setup
+    from triton.backends.compiler import GPUTarget
+    pool.start(GPUTarget("cuda", 90, 32))       # each compiles a kernel of its own, in a cache of its own
+    procs = [pool._slots.get() for _ in range(pool.size)]
+    assert all(p is not None and p.poll() is None for p in procs)
+    for p in procs:
+        pool._slots.put(p)
+    assert _errors(pool.run([job("scale")])) == [None]
+    assert len(_entries(cache)) == 1             # the warm-up kernels did not land in the cache
+
+
 def test_a_dead_worker_is_replaced(setup):
     pool, job, cache = setup
     assert _errors(pool.run([job("scale")])) == [None]

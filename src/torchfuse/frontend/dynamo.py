@@ -55,7 +55,9 @@ def _start_compile_workers(example_inputs: list, config: Config) -> None:
         return
     from ..runtime import compile_workers, triton_precompile
     if triton_precompile.enabled():
-        compile_workers.pool(config.compile_workers or triton_precompile.default_workers()).start()
+        from triton.runtime.driver import driver
+        compile_workers.pool(config.compile_workers or triton_precompile.default_workers()).start(
+            driver.active.get_current_target())
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:

@@ -61,9 +61,16 @@ def bcast_load(x: Any, out_shape: Sequence[Node], idx: Sequence[Node], dtype: to
     return const(x, dtype)
 
 
+_META: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
 def _dummy(x: Any) -> Any:
     if isinstance(x, TensorValue):
-        return torch.empty([1] * min(x.ndim, 1), dtype=x.dtype, device="meta")
+        # type promotion only sees dtype and whether it is 0-d; making a meta tensor costs ~0.2 ms
+        key = (min(x.ndim, 1), x.dtype)
+        if key not in _META:
+            _META[key] = torch.empty([1] * key[0], dtype=x.dtype, device="meta")
+        return _META[key]
     if isinstance(x, Node):
         return 1 if x.dtype == INDEX or not x.dtype.is_floating_point else 1.0
     return x

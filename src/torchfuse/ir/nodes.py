@@ -158,8 +158,25 @@ def where(cond: Node, a: Node, b: Node) -> Node:
 # index arithmetic with on-the-fly canonicalisation (sum of products form)
 # --------------------------------------------------------------------------------------------
 
+_TERMS: dict[Node, dict[tuple[Node, ...], int]] = {}
+_TERMS_LIMIT = 1 << 17
+
+
 def _terms(n: Node) -> dict[tuple[Node, ...], int]:
-    """Write an int expression as {sorted factor tuple: coefficient}; () is the constant term."""
+    """Write an int expression as {sorted factor tuple: coefficient}; () is the constant term.
+    Sums and products are remembered (index arithmetic rebuilds the same ones over and over:
+    a third of a BERT graph's lowering time); the returned dict is shared, so read it only."""
+    if n.op not in ("add", "mul"):
+        return _expand(n)
+    out = _TERMS.get(n)
+    if out is None:
+        if len(_TERMS) >= _TERMS_LIMIT:
+            _TERMS.clear()
+        out = _TERMS[n] = _expand(n)
+    return out
+
+
+def _expand(n: Node) -> dict[tuple[Node, ...], int]:
     if n.op == "const":
         return {(): int(n.arg)} if n.arg else {}
     if n.op == "add":
@@ -403,7 +420,7 @@ def _merge_divmod(n: Node) -> Node:
     """Rewrite `k*d*(m // d) + k*(m % d)` into `k*m`: the inverse of splitting one loop in two."""
     if n.op != "add":
         return n
-    terms = _terms(n)
+    terms = dict(_terms(n))       # edited below: a copy of the shared expansion
     changed = True
     while changed:
         changed = False

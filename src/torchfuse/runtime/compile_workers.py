@@ -48,9 +48,11 @@ class WorkerPool:
         for _ in range(size):
             self._slots.put(None)         # None: not started yet (or died)
 
-    def start(self) -> None:
-        """Start every worker now, without waiting: they import torch and Triton while the caller
-        goes on tracing and lowering."""
+    def start(self, target: Any = None) -> None:
+        """Start every worker now, without waiting: they import torch and Triton, and compile one
+        small kernel for `target` (a GPUTarget) while the caller goes on tracing and lowering.
+        A worker's first compile costs ~0.5 s more than later ones (MLIR, LLVM and ptxas starting
+        up), and a graph gives each worker only one or two kernels."""
         procs = []
         while True:
             try:
@@ -58,7 +60,7 @@ class WorkerPool:
             except queue.Empty:
                 break
         for proc in procs:
-            self._slots.put(proc if _alive(proc) else _spawn())
+            self._slots.put(proc if _alive(proc) else _spawn(target))
 
     def grow(self, size: int) -> None:
         with self._lock:
@@ -91,7 +93,7 @@ class WorkerPool:
         proc = self._slots.get()
         try:
             if not _alive(proc):
-                proc = _spawn()
+                proc = _spawn(job[6])
             pickle.dump(job, proc.stdin)
             proc.stdin.flush()
             return pickle.load(proc.stdout)
@@ -108,12 +110,13 @@ def _alive(proc: subprocess.Popen | None) -> bool:
     return proc is not None and proc.poll() is None
 
 
-def _spawn() -> subprocess.Popen:
+def _spawn(target: Any = None) -> subprocess.Popen:
     # the child must import this package even when it is not installed (a path added at run time)
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     env.pop("TRITON_INTERPRET", None)    # workers exist to compile (tests set it process-wide)
-    return subprocess.Popen([sys.executable, "-m", "torchfuse.runtime.compile_workers"], stdin=subprocess.PIPE,
+    warm_up = [pickle.dumps(target).hex()] if target is not None else []
+    return subprocess.Popen([sys.executable, "-m", "torchfuse.runtime.compile_workers", *warm_up], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
 
 
@@ -173,11 +176,8 @@ def compile_job(job: Job) -> None:
     import importlib.util
 
     import triton
-    from triton.runtime.driver import driver
     path, module_name, kernel_name, args, grid, keywords, target, cache_dir = job
-    current = getattr(driver, "_active", None)     # not `driver.active`: that would look for a GPU
-    if not isinstance(current, _TargetOnlyDriver) or current.target != target:
-        driver.set_active(_TargetOnlyDriver(target))
+    _use_target(target)
     if cache_dir and hasattr(triton, "knobs"):
         triton.knobs.cache.dir = cache_dir
     module = _modules.get(path)
@@ -200,9 +200,43 @@ def _build_launcher(binary: Any) -> None:
         nvidia.CudaLauncher(binary.src, binary.metadata)
 
 
+def _warm_up(target: Any) -> None:
+    """Compile one small kernel, so that the first real job finds the compiler started."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def warm_up(x, y, n, XBLOCK: tl.constexpr):
+        offs = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+        tl.store(y + offs, tl.sum(tl.load(x + offs, offs < n), 0) + 1.0, offs < n)
+    _use_target(target)
+    import tempfile
+    saved = triton.knobs.cache.dir
+    with tempfile.TemporaryDirectory(prefix="torchfuse-warm-up-") as fresh:
+        triton.knobs.cache.dir = fresh          # a cache hit would start nothing
+        try:
+            _build_launcher(warm_up.warmup(torch.float32, torch.float32, 1024, grid=(1,), XBLOCK=1024,
+                                           num_warps=4))
+        finally:
+            triton.knobs.cache.dir = saved
+
+
+def _use_target(target: Any) -> None:
+    from triton.runtime.driver import driver
+    current = getattr(driver, "_active", None)     # not `driver.active`: that would look for a GPU
+    if not isinstance(current, _TargetOnlyDriver) or current.target != target:
+        driver.set_active(_TargetOnlyDriver(target))
+
+
 def main() -> None:
     import torch  # noqa: F401  (imported before the first job arrives: jobs carry torch dtypes)
     import triton.compiler  # noqa: F401
+    if len(sys.argv) > 1:
+        try:
+            _warm_up(pickle.loads(bytes.fromhex(sys.argv[1])))
+        except Exception:     # only a warm-up: the jobs report their own errors
+            pass
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                 # prints from the compiler must not corrupt the answers
     jobs = sys.stdin.buffer
