@@ -1,0 +1,62 @@
+"""Column sums (x.sum(0)) with other column-tile widths, against Inductor (GPU probe, ~2 min).
+
+    python benchmarks/probes/column_tile.py
+
+A column sum's looped kernel reads tiles of XBLOCK adjacent columns (triton_launch.py:
+COLUMN_XBLOCK, at least COLUMN_MIN_XBLOCK), and the split pass counts its programs in tiles of
+the same width (SplitParams.column_tile).  32 columns are 128 bytes of fp32 but 64 bytes of
+bf16.  Each row of the table forces one (XBLOCK cap, XBLOCK floor, split tile) and gives GPU
+microseconds per call (CUDA-graph replay) and Inductor's time over torchfuse's.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gpu_bench  # noqa: E402  (fresh caches, set before torch is imported)
+import torch  # noqa: E402
+
+from torchfuse.runtime import triton_launch  # noqa: E402
+from torchfuse.scheduler import split  # noqa: E402
+
+SHAPES = [(8192, 2304), (2048, 768), (2048, 3072), (2047, 1000), (32768, 768), (8 << 20, 8), (4096, 50257)]
+VARIANTS = {torch.float32: [(32, 16, 32), (64, 16, 64), (64, 32, 64)],
+            torch.bfloat16: [(32, 16, 32), (64, 32, 64), (64, 16, 64), (128, 32, 128)]}
+
+
+def _force(cap: int, floor: int, tile: int) -> None:
+    triton_launch.COLUMN_XBLOCK, triton_launch.COLUMN_MIN_XBLOCK = cap, floor
+    triton_launch._modules.clear()      # launch plans are cached on the kernels: new modules
+    original = split.SplitParams.for_device.__func__ if hasattr(split.SplitParams.for_device, "__func__") else None
+    base = _force.base = getattr(_force, "base", original or split.SplitParams.for_device)
+
+    def for_device(device, num_threads, min_chunk=0):
+        import dataclasses
+        params = base(device, num_threads, min_chunk)
+        return dataclasses.replace(params, column_tile=tile) if device == "cuda" else params
+    split.SplitParams.for_device = staticmethod(for_device)
+
+
+def main() -> None:
+    fn = lambda x: x.sum(0)  # noqa: E731
+    print("| shape | dtype | inductor us | " + " | ".join("cap/floor/tile" for _ in range(4)) + " |")
+    for dtype, variants in VARIANTS.items():
+        for shape in SHAPES:
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            torch._dynamo.reset()
+            ind = gpu_bench.bench_graph(torch.compile(fn), x) * 1e3
+            cells = []
+            for cap, floor, tile in variants:
+                _force(cap, floor, tile)
+                torch._dynamo.reset()
+                f = torch.compile(fn, backend="torchfuse")
+                out = f(x)
+                err = float((out.float() - fn(x).float()).abs().max())
+                us = gpu_bench.bench_graph(f, x) * 1e3
+                cells.append(f"{cap}/{floor}/{tile}: {us:.1f} ({ind / us:.2f}x{'' if err < 1 else ' ERR'})")
+            print(f"| {shape[0]}x{shape[1]} | {str(dtype)[6:]} | {ind:.1f} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
