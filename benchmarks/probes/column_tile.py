@@ -25,15 +25,16 @@ VARIANTS = {torch.float32: [(32, 16, 32), (64, 16, 64), (64, 32, 64)],
             torch.bfloat16: [(32, 16, 32), (64, 32, 64), (64, 16, 64), (128, 32, 128)]}
 
 
+_BASE = split.SplitParams.for_device
+
+
 def _force(cap: int, floor: int, tile: int) -> None:
+    import dataclasses
     triton_launch.COLUMN_XBLOCK, triton_launch.COLUMN_MIN_XBLOCK = cap, floor
     triton_launch._modules.clear()      # launch plans are cached on the kernels: new modules
-    original = split.SplitParams.for_device.__func__ if hasattr(split.SplitParams.for_device, "__func__") else None
-    base = _force.base = getattr(_force, "base", original or split.SplitParams.for_device)
 
     def for_device(device, num_threads, min_chunk=0):
-        import dataclasses
-        params = base(device, num_threads, min_chunk)
+        params = _BASE(device, num_threads, min_chunk)
         return dataclasses.replace(params, column_tile=tile) if device == "cuda" else params
     split.SplitParams.for_device = staticmethod(for_device)
 
