@@ -108,7 +108,7 @@ def test_column_sums_of_a_training_step_read_whole_sectors():
     for cols, rows in ((768, 2048), (3072, 2048), (2304, 8192), (1000, 2047), (40, 300)):
         kernel, grid, _, (xblock, rblock, _), warps, _ = tl_._reduction_plan(
             persistent, looped, cols, rows, False, True, ())
-        assert kernel is looped and xblock >= min(16, cols) and xblock * rblock == tl_.LOOPED_RBLOCK, (cols, rows)
+        assert kernel is looped and xblock >= min(16, cols) and xblock * rblock == tl_.COLUMN_ELEMENTS, (cols, rows)
         assert grid[0] * xblock >= cols
     assert tl_._reduction_plan(persistent, looped, 768, 4, False, True, ())[0] is persistent
     assert tl_._reduction_plan(persistent, looped, 768, 2048, False, False, ())[0] is persistent

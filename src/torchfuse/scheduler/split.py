@@ -62,7 +62,7 @@ class SplitParams:
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             # a launch costs a few microseconds: below ~256K elements one program is as fast
             target, chunk, numel = 2 * sms, 4096, 1 << 18
-            gather_chunk, gather_numel, column_tile = 256, 1 << 12, 32
+            gather_chunk, gather_numel, column_tile = 256, 1 << 12, 64   # triton_launch.COLUMN_XBLOCK
         else:
             # 4 chunks per thread balance the load; OpenMP start-up wants >= ~64K elements each
             target, chunk, numel = 4 * max(1, num_threads), 1 << 16, 1 << 20
