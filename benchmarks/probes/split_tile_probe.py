@@ -87,7 +87,7 @@ def main() -> None:
     copy_src = rnd(64 * M)
     copy_dst = torch.empty_like(copy_src)
     copy_gbs = 2 * copy_src.numel() * 4 / bench(lambda: copy_dst.copy_(copy_src)) / 1e6
-    del copy_src, copy_dst
+    copy_src = copy_dst = None     # free them for the workloads
     device_name = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, copy {copy_gbs:.0f} GB/s", flush=True)
     head = ["workload", "shape", "dtype", "eager ms", "inductor ms", "torchfuse ms", "tf old ms",

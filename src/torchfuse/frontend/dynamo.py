@@ -4,6 +4,7 @@ through the core pipeline (`runtime.compiled_graph.compile_graph`).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping
 
 import torch
@@ -13,6 +14,8 @@ from ..api import Explanation
 from ..config import Config
 from ..counters import counters
 from .decompositions import decomposition_table
+
+log = logging.getLogger("torchfuse")
 
 
 class TorchfuseBackend:
@@ -54,10 +57,13 @@ def _start_compile_workers(example_inputs: list, config: Config) -> None:
     if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
         return
     from ..runtime import compile_workers, triton_precompile
-    if triton_precompile.enabled():
-        from triton.runtime.driver import driver
-        compile_workers.pool(config.compile_workers or triton_precompile.default_workers()).start(
-            driver.active.get_current_target())
+    try:
+        if triton_precompile.enabled():
+            from triton.runtime.driver import driver
+            compile_workers.pool(config.compile_workers or triton_precompile.default_workers()).start(
+                driver.active.get_current_target())
+    except Exception as e:    # only a head start: without workers, the kernels compile in this process
+        log.debug("torchfuse: compile workers not started: %s: %s", type(e).__name__, e)
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:

@@ -93,7 +93,7 @@ class WorkerPool:
         proc = self._slots.get()
         try:
             if not _alive(proc):
-                proc = _spawn(job[6])
+                proc = _spawn(job[6])            # job[6]: the target, for the warm-up
             pickle.dump(job, proc.stdin)
             proc.stdin.flush()
             return pickle.load(proc.stdout)
@@ -116,8 +116,8 @@ def _spawn(target: Any = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
     env.pop("TRITON_INTERPRET", None)    # workers exist to compile (tests set it process-wide)
     warm_up = [pickle.dumps(target).hex()] if target is not None else []
-    return subprocess.Popen([sys.executable, "-m", "torchfuse.runtime.compile_workers", *warm_up], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    return subprocess.Popen([sys.executable, "-m", "torchfuse.runtime.compile_workers", *warm_up],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
 
 
 _pool: WorkerPool | None = None
