@@ -170,6 +170,7 @@ class TritonEmitter(ExprEmitter):
         super().__init__(buffers, indent)
         self.mask = "None"
         self.interpreter = _interpreting()
+        self.unstored: set[str] = set()     # stored buffers this variant keeps in registers
 
     def literal(self, value, dtype: torch.dtype) -> str:
         return str(int(value)) if dtype == INDEX else literal(value, dtype)
@@ -352,6 +353,8 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
     else:
         for persistent in (True, False):
             em = TritonEmitter(dtypes)
+            if persistent:     # the row stays in registers: values carried between loops need no store
+                em.unstored = set(plan.carried)
             _static_numels(em, xnumel=plan.outer, rnumel=plan.inner)
             em.line("pid = tl.program_id(0)")
             em.line("if BIG:")
@@ -465,7 +468,7 @@ def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
     for m in members:
         v = em.value(m.body)
         em.bind_local(m.buffer.name, m.store, v)
-        if m.buffer.name in plan.stored:
+        if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:
             em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {v}.to({STORE_TL[m.buffer.dtype]}), {mask})")
 
 
@@ -681,7 +684,7 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
         result = em.tmp(_row_reduce(op, dt, acc, em))
     value = em.tmp(f"{result}.to({STORE_TL[m.buffer.dtype]}).to({TL[m.buffer.dtype]})")
     em.bind_local(m.buffer.name, m.store, value)
-    if m.buffer.name in plan.stored:
+    if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:
         em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {value}.to({STORE_TL[m.buffer.dtype]}), xmask)")
 
 

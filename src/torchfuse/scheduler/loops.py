@@ -30,6 +30,9 @@ class LoopPlan:
     stages: list[Stage]
     stored: set[str]                 # buffer names written to memory
     ranges: dict[str, Node]          # var name -> size
+    # of those, the ones stored only so that a later loop over the row reads them back (nothing
+    # outside the kernel does): a kernel that holds the whole row in registers skips their store
+    carried: set[str] = field(default_factory=set)
 
 
 def _count_divmod(members: list[Member]) -> int:
@@ -132,6 +135,7 @@ def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = Tr
     # A member must be stored if anything other than its own stage reads it.
     stage_of = {m.buffer.name: i for i, s in enumerate(stages) for m in s.members}
     stored: set[str] = set()
+    carried: set[str] = set()
     for m in members:
         name = m.buffer.name
         outside = readers.get(name, set()) - {kernel.name}
@@ -145,7 +149,8 @@ def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = Tr
                     scalar = m.role in ("reduce", "outer")   # per-row values live in a local variable
                     if not same_loop and not scalar:
                         stored.add(name)
-    return LoopPlan(kernel, outer, inner, members, stages, stored, ranges)
+                        carried.add(name)
+    return LoopPlan(kernel, outer, inner, members, stages, stored, ranges, carried)
 
 
 def _depends(m: Member, stage: Stage) -> bool:
