@@ -1,13 +1,15 @@
 """Compile a graph's Triton kernels in parallel before its first call.
 
 Triton compiles a kernel on its first launch, so a graph's first call compiles its kernels one
-after another: ~40 kernels of a transformer at 0.2-0.5 s each is most of a model's compile time.
-Here each kernel launch of the generated wrapper is *planned* ahead of the call: the wrapper's
-launch expressions are evaluated with the buffers replaced by their dtypes and the sizes by
-their example values, and the launch helpers (triton_launch.py) hand each planned launch to
-`kernel.warmup(...)` inside Triton's `AsyncCompileMode`, which compiles in a thread pool
-(Triton releases the GIL while it compiles).  The first real launch then finds its binary in
-the kernel's cache.
+after another: 10-40 kernels of a model at 0.2-0.5 s each.  Here each kernel launch of the
+generated wrapper is *planned* ahead of the call: the wrapper's launch expressions are
+evaluated with the buffers replaced by their dtypes and the sizes by their example values, and
+the launch helpers (triton_launch.py) hand over each planned launch instead of running it.
+The planned launches are compiled by worker processes into Triton's disk cache
+(compile_workers.py), then `kernel.warmup(...)` inside Triton's `AsyncCompileMode` loads them
+here in a thread pool (and compiles whatever a worker could not: threads alone overlap only
+about 2x, as Triton holds the GIL for much of a compile).  The first real launch then finds its
+binary in the kernel's cache.
 
 A guess that differs from the real launch (an unaligned input, a different size on the first
 call, a run-time symbol with no example value) only costs that one kernel's compile on first
@@ -76,7 +78,7 @@ def plan_launches(calls: Iterable[tuple[str, list[tuple[str, str]]]], scope: dic
     return planned
 
 
-def precompile(launches: list[tuple], workers: int, processes: bool = True) -> int:
+def precompile(launches: list[tuple], workers: int) -> int:
     """Compile the planned `launches` with `workers` worker processes (compile_workers.py), then
     load them in a pool of as many threads (cache hits by then; the threads compile whatever a
     worker could not); returns how many launches were planned."""
@@ -84,8 +86,7 @@ def precompile(launches: list[tuple], workers: int, processes: bool = True) -> i
         return 0
     import triton
     start = time.perf_counter()
-    if processes:
-        _compile_in_workers(launches, workers)
+    _compile_in_workers(launches, workers)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="torchfuse-compile") as pool:
             try:
