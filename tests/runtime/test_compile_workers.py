@@ -121,3 +121,12 @@ def test_only_kernels_loaded_from_a_file_become_jobs():
     class NotAKernel:
         pass
     assert compile_workers.job_for(NotAKernel(), (1,), (), {}, target, None) is None
+
+
+def test_a_worker_that_does_not_answer_in_time_is_killed(setup, monkeypatch):
+    pool, job, cache = setup
+    monkeypatch.setattr(compile_workers, "JOB_TIMEOUT", 0.001)    # no compile answers that fast
+    (error, _), = pool.run([job("scale")])
+    assert error.startswith("worker failed: TimeoutError")
+    monkeypatch.setattr(compile_workers, "JOB_TIMEOUT", 300.0)
+    assert _errors(pool.run([job("scale", block=256)])) == [None]      # a new worker took the slot

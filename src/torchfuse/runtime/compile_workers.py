@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -36,6 +37,8 @@ log = logging.getLogger("torchfuse")
 # (module file, module name, kernel name, args (dtypes for tensors), grid, keyword arguments,
 #  GPUTarget, Triton cache dir or None)
 Job = tuple
+
+JOB_TIMEOUT = 300.0     # seconds a worker may take for one kernel before it is killed
 
 
 class WorkerPool:
@@ -96,6 +99,8 @@ class WorkerPool:
                 proc = _spawn(job[6])            # job[6]: the target, for the warm-up
             pickle.dump(job, proc.stdin)
             proc.stdin.flush()
+            if not select.select([proc.stdout], [], [], JOB_TIMEOUT)[0]:
+                raise TimeoutError(f"no answer in {JOB_TIMEOUT} s")    # a hung compile: its worker goes
             return pickle.load(proc.stdout)
         except Exception as e:        # the worker died (or could not start): its slot starts a new one
             if proc is not None:
