@@ -56,13 +56,7 @@ class WorkerPool:
         small kernel for `target` (a GPUTarget) while the caller goes on tracing and lowering.
         A worker's first compile costs ~0.5 s more than later ones (MLIR, LLVM and ptxas starting
         up), and a graph gives each worker only one or two kernels."""
-        procs = []
-        while True:
-            try:
-                procs.append(self._slots.get_nowait())
-            except queue.Empty:
-                break
-        for proc in procs:
+        for proc in self._take_idle():
             self._slots.put(proc if _alive(proc) else _spawn(target))
 
     def grow(self, size: int) -> None:
@@ -73,17 +67,22 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop the workers (they exit when their stdin closes)."""
-        while True:
-            try:
-                proc = self._slots.get_nowait()
-            except queue.Empty:
-                return
+        for proc in self._take_idle():
             if proc is not None:
                 proc.stdin.close()
                 try:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+    def _take_idle(self) -> list[subprocess.Popen | None]:
+        """Every slot not busy with a job, taken out of the queue."""
+        taken = []
+        while True:
+            try:
+                taken.append(self._slots.get_nowait())
+            except queue.Empty:
+                return taken
 
     def run(self, jobs: Sequence[Job]) -> list[tuple[str | None, float]]:
         """Compile `jobs`; for each, (None or the error its worker reported, seconds it took)."""
