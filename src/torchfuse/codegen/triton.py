@@ -171,6 +171,9 @@ class TritonEmitter(ExprEmitter):
         self.mask = "None"
         self.interpreter = _interpreting()
         self.unstored: set[str] = set()     # stored buffers this variant keeps in registers
+        # Inside a looped variant's row loop: the L2 hint for loads of each buffer (see
+        # _eviction); None elsewhere (no hints).
+        self.evict: dict[str, str] | None = None
 
     def literal(self, value, dtype: torch.dtype) -> str:
         return str(int(value)) if dtype == INDEX else literal(value, dtype)
@@ -188,7 +191,11 @@ class TritonEmitter(ExprEmitter):
             if len(a) == 2:
                 own = self.value(a[1])
                 mask = own if mask == "None" else f"{mask} & {own}"
-            raw = f"tl.load({n.arg} + ({self.index(a[0])}) + xzero, mask={mask}, other=0)"
+            hint = ""
+            if self.evict is not None:
+                rowwise = any(v.op == "var" and v.arg.startswith("x") for v in walk(a[0]))
+                hint = f", eviction_policy='{self.evict.get(n.arg, 'evict_first') if rowwise else 'evict_last'}'"
+            raw = f"tl.load({n.arg} + ({self.index(a[0])}) + xzero, mask={mask}, other=0{hint})"
             sdt = self.buffers[n.arg]
             if sdt in (torch.float16, torch.bfloat16):
                 raw += ".to(tl.float32)"
@@ -549,22 +556,55 @@ def _variance_pair(stage, nxt):
 
 
 def _emit_shifted_sums(em: TritonEmitter, x: str, acc: str) -> None:
-    """Per lane, sums of d = x - k and d * d, k being the lane's first element.  Sums of x and
-    x * x would cancel catastrophically for rows far from 0 (mean 1e4, std 1e-3); a running
-    Welford mean in fp32 rounds to the mean's ulp at every step.  d is exact for rows of
-    similar values, and nothing below cancels by more than a small factor."""
-    em.line(f"{acc}_k = tl.where(xmask & rmask & ({acc}_n == 0), {x}, {acc}_k)")
+    """Per lane, sums of d = x - k and d * d, k being the lane's first element (loaded before
+    the loop by _emit_shift).  Sums of x and x * x would cancel catastrophically for rows far
+    from 0 (mean 1e4, std 1e-3); a running Welford mean in fp32 rounds to the mean's ulp at
+    every step, and divides per element.  d is exact for rows of similar values, and nothing
+    below cancels by more than a small factor.  Three flops per element: a layer norm's first
+    pass stays memory-bound in bf16 (probes/long_rows.py)."""
     d = em.tmp(f"tl.where(xmask & rmask, {x} - {acc}_k, 0.0)")
     em.line(f"{acc}_s1 = {acc}_s1 + {d}")
     em.line(f"{acc}_s2 = {acc}_s2 + {d} * {d}")
-    em.line(f"{acc}_n = {acc}_n + tl.where(xmask & rmask, 1.0, 0.0)")
 
 
-def _finish_shifted_sums(em: TritonEmitter, plan: LoopPlan, member, a, acc: str) -> None:
-    """sum((x - a)^2) over a lane = s2 + 2 (k - a) s1 + n (k - a)^2, exact for any per-row a."""
+def _emit_shift(em: TritonEmitter, plan: LoopPlan, x, acc: str) -> None:
+    """Before the loop: k = x at each lane's first element (0 where the lane has none), and the
+    lanes' zeroed sums.  The first chunk is read again by the loop's first step, from L2."""
+    em.push()       # the values computed here are this chunk's: the loop must not reuse them
+    em.line("rindex = rbase")
+    em.line("rmask = rindex < rnumel")
+    _unflatten(em, "rindex", plan.inner, "y")
+    em.mask = "xmask & rmask"
+    em.line(f"{acc}_k = tl.where(xmask & rmask, {em.value(x)}, 0.0)")
+    em.pop()
+    for part in ("s1", "s2"):
+        em.line(f"{acc}_{part} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
+
+
+def _finish_shifted_sums(em: TritonEmitter, plan: LoopPlan, total, member, a, acc: str) -> None:
+    """The row's sum of x (`total`, when the stage has one) is sum(k n + s1) over lanes, n being
+    a lane's element count; sum((x - a)^2) over a lane = s2 + 2 (k - a) s1 + n (k - a)^2,
+    exact for any per-row a."""
+    n = em.tmp("((rnumel - rbase + RBLOCK - 1) // RBLOCK).to(tl.float32)")   # >= 0: rbase < RBLOCK
+    if total is not None:
+        _finish_reduction(em, plan, total, None, None, result=f"tl.sum({acc}_k * {n} + {acc}_s1, 1)[:, None]")
     c = em.tmp(f"{acc}_k - {em.value(a)}")
-    lanes = em.tmp(f"tl.where({acc}_n > 0, {acc}_s2 + {c} * (2.0 * {acc}_s1 + {acc}_n * {c}), 0.0)")
+    lanes = em.tmp(f"tl.where({n} > 0, {acc}_s2 + {c} * (2.0 * {acc}_s1 + {n} * {c}), 0.0)")
     _finish_reduction(em, plan, member, None, None, result=f"tl.sum({lanes}, 1)[:, None]")
+
+
+def _stage_loads(stage) -> set[str]:
+    return {n.arg for m in stage.members for n in walk(m.body) if n.op == "load"}
+
+
+def _eviction(stages: list, i: int, merged: int) -> dict[str, str]:
+    """L2 hints for the loop of stages[i] (merged with the next `merged` stages): a buffer read
+    again by a later loop of this kernel is kept (`evict_last`: a row's second pass then finds
+    it in L2), one read for the last time goes first.  Loads that are the same for every row
+    (a layer norm's weight) are always kept (TritonEmitter._expr)."""
+    later = set().union(*(_stage_loads(s) for s in stages[i + 1 + merged:] if s.kind != "outer"))
+    here = set().union(*(_stage_loads(s) for s in stages[i:i + 1 + merged]))
+    return {name: "evict_last" if name in later else "evict_first" for name in here}
 
 
 def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) -> None:
@@ -579,21 +619,32 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
         if skip:
             skip = False
             continue
-        if not persistent and _online_pair(stage, stages[i + 1] if i + 1 < len(stages) else None):
-            _emit_online(em, plan, stage, stages[i + 1])
+        nxt = stages[i + 1] if i + 1 < len(stages) else None
+        if not persistent and _online_pair(stage, nxt):
+            em.evict = _eviction(stages, i, 1)
+            _emit_online(em, plan, stage, nxt)
+            em.evict = None
             skip = True
             continue
         if stage.kind == "outer":
             em.mask = "xmask"
             _emit_values(em, plan, stage.members, "xmask")
             continue
-        variance = None if persistent else _variance_pair(stage, stages[i + 1] if i + 1 < len(stages) else None)
+        variance = None if persistent else _variance_pair(stage, nxt)
         if not persistent:
-            accs = _open_accumulators(em, stage) if stage.kind == "reduce" else []
+            members = stage.members if stage.kind == "reduce" else []
+            total = None
+            em.evict = _eviction(stages, i, 1 if variance else 0)
             if variance:
                 vacc = f"acc_{variance[0].buffer.name}"
-                for part in ("k", "s1", "s2", "n"):
-                    em.line(f"{vacc}_{part} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
+                # the stage's sum of x comes from the shifted sums (_finish_shifted_sums)
+                total = next((m for m in members if m.buffer.reduction_op == "sum" and m.body == variance[1]
+                              and m.body.dtype == torch.float32), None)
+                members = [m for m in members if m is not total]
+                keep, em.evict = em.evict, {**em.evict, **{b: "evict_last" for b in _stage_loads(stage)}}
+                _emit_shift(em, plan, variance[1], vacc)
+                em.evict = keep
+            accs = _open_accumulators(em, members)
             _open_row_loop(em, plan)
         em.mask = full_mask
         if stage.kind == "inner":
@@ -608,17 +659,17 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
                 _emit_shifted_sums(em, em.value(variance[1]), vacc)
         if not persistent:
             _close_row_loop(em)
-            if stage.kind == "reduce":
-                for m, acc in accs:
-                    _finish_reduction(em, plan, m, None, acc)
+            em.evict = None
+            for m, acc in accs:
+                _finish_reduction(em, plan, m, None, acc)
             if variance:
-                _finish_shifted_sums(em, plan, variance[0], variance[2], vacc)
+                _finish_shifted_sums(em, plan, total, variance[0], variance[2], vacc)
                 skip = True
 
 
-def _open_accumulators(em: TritonEmitter, stage) -> list:
+def _open_accumulators(em: TritonEmitter, members) -> list:
     accs = []
-    for m in stage.members:
+    for m in members:
         op, dt = m.buffer.reduction_op, m.body.dtype
         acc = f"acc_{m.buffer.name}"
         em.line(f"{acc} = tl.full([XBLOCK, RBLOCK], {_init(op, dt)}, {TL[dt]})")
