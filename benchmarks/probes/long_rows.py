@@ -328,7 +328,7 @@ def permute_rows(copy_gbs, out):
             tf = gpu_bench.bench_graph(torch.compile(fn, backend="torchfuse"), x, y) * 1e3
             cells = []
             for xb, yb, wp in TILES:
-                triton_launch.tile_blocks = lambda xn, yn, xb=xb, yb=yb, wp=wp: (xb, yb, wp)
+                triton_launch.tile_blocks = lambda xn, yn, size=4, xb=xb, yb=yb, wp=wp: (xb, yb, wp)
                 triton_launch._modules.clear()
                 try:
                     torch._dynamo.reset()

@@ -113,13 +113,14 @@ def test_long_rows_online_softmax(tf, dtype):
     _check(tf, lambda a, b: F.cross_entropy(a, b), y, t[:5].repeat(2)[:6])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_rows_one_pass_variance(tf, dtype):
+@pytest.mark.parametrize("dtype,extra", [(torch.float32, 3001), (torch.bfloat16, 3001), (torch.float32, 32768)])
+def test_long_rows_one_pass_variance(tf, dtype, extra):
     # rows past the persistent limit: the mean's sum and sum((x - mean)^2) in one pass (per-lane
     # shifted sums); a row far from 0 (where sums of x and x * x would cancel), a constant row
-    # (variance exactly 0), and NaN / inf rows as eager's two-pass form gives them
+    # (variance exactly 0), and NaN / inf rows as eager's two-pass form gives them.  A row of
+    # 65536 is a whole number of chunks: its loop runs without masks.
     from torchfuse.runtime import triton_launch
-    n = triton_launch.PERSISTENT_LIMIT + 3001
+    n = triton_launch.PERSISTENT_LIMIT + extra
     x = tf.rand((6, n))
     x[1] = x[1] * 1e-2 + 100
     x[2] = 3.0
@@ -129,7 +130,10 @@ def test_long_rows_one_pass_variance(tf, dtype):
     w, b = tf.rand((n,)).to(dtype), tf.rand((n,)).to(dtype)
     # (not var_mean: eager's CPU kernel gives an inf row a NaN mean, where x.mean() gives inf)
     e = _check(tf, lambda a, w, b: (F.layer_norm(a, (n,), w, b), a.float().var(-1)), x, w, b)
-    assert any("_s2 = " in k.source for k in e.kernels), [k.source for k in e.kernels]
+    looped = [k.source for k in e.kernels if "_s2 = " in k.source]
+    assert looped, [k.source for k in e.kernels]
+    # the first pass keeps the row in L2 for the second, which reads it for the last time
+    assert "evict_last" in looped[0] and "evict_first" in looped[0], looped[0]
 
 
 def test_training_step_gradients(tf):

@@ -78,6 +78,8 @@ def test_tile_blocks():
     xb, yb, _ = tile_blocks(20, 8192)            # a short x dim: the tile grows along y
     assert xb == 32 and yb == 128
     assert tile_blocks(3, 5)[:2] == (4, 8)
+    assert tile_blocks(8192, 8192, 2) == (128, 64, 8)   # 2-byte dtypes: the same 16 KB per tile
+    assert tile_blocks(8192, 8192, 1) == (128, 64, 8)
 
 
 def test_reduction_warps_by_row_length():
