@@ -613,11 +613,15 @@ def _stage_loads(stage) -> set[str]:
     return {n.arg for m in stage.members for n in walk(m.body) if n.op == "load"}
 
 
-def _eviction(stages: list, i: int, merged: int) -> dict[str, str]:
-    """L2 hints for the loop of stages[i] (merged with the next `merged` stages): a buffer read
-    again by a later loop of this kernel is kept (`evict_last`: a row's second pass then finds
-    it in L2), one read for the last time goes first.  Loads that are the same for every row
-    (a layer norm's weight) are always kept (TritonEmitter._expr)."""
+def _eviction(stages: list, i: int, merged: int) -> dict[str, str] | None:
+    """L2 hints for the loop of stages[i] (merged with the next `merged` stages) of a kernel
+    with several loops over the row: a buffer read again by a later loop is kept
+    (`evict_last`: a row's second pass then finds it in L2), one read for the last time goes
+    first.  Loads that are the same for every row (a layer norm's weight) are always kept
+    (TritonEmitter._expr).  A kernel with one loop (a plain sum) gets no hints."""
+    loops = [s for s in stages if s.kind != "outer"]
+    if len(loops) <= 1 + merged:
+        return None
     later = set().union(*(_stage_loads(s) for s in stages[i + 1 + merged:] if s.kind != "outer"))
     here = set().union(*(_stage_loads(s) for s in stages[i:i + 1 + merged]))
     return {name: "evict_last" if name in later else "evict_first" for name in here}
@@ -657,7 +661,7 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
                 total = next((m for m in members if m.buffer.reduction_op == "sum" and m.body == variance[1]
                               and m.body.dtype == torch.float32), None)
                 members = [m for m in members if m is not total]
-                keep, em.evict = em.evict, {**em.evict, **{b: "evict_last" for b in _stage_loads(stage)}}
+                keep, em.evict = em.evict, {**(em.evict or {}), **{b: "evict_last" for b in _stage_loads(stage)}}
                 _emit_shift(em, plan, variance[1], vacc)
                 em.evict = keep
             accs = _open_accumulators(em, members)
