@@ -82,6 +82,20 @@ def test_tile_blocks():
     assert tile_blocks(8192, 8192, 1) == (128, 64, 8)
 
 
+def test_tile_of_a_2_byte_transpose_is_the_same_planned_ahead():
+    # precompile plans launches with dtypes where tensors go; the plan made then is kept
+    from types import SimpleNamespace
+
+    from torchfuse.runtime.triton_launch import _tiled_plan
+    kernel = SimpleNamespace(fn=SimpleNamespace(__module__="not_tuned", __name__="k"))
+    x = torch.empty(4, 1000, 1024, dtype=torch.bfloat16)
+    at_run = _tiled_plan(kernel, 1024, 1000, x.numel(), False, (x, x, x))
+    ahead = _tiled_plan(kernel, 1024, 1000, x.numel(), False, (torch.bfloat16,) * 3)
+    assert at_run[1:] == ahead[1:] and at_run[3][:2] == (128, 64) and at_run[4] == 8
+    wide = _tiled_plan(kernel, 1024, 1000, x.numel(), False, (torch.bfloat16, torch.float32))
+    assert wide[3][:2] == (64, 64)
+
+
 def test_reduction_warps_by_row_length():
     # measured on the H100 (BENCHMARKS.md): 32 warps only for the longest persistent rows
     from types import SimpleNamespace

@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any, Callable, Iterator
 
 from torch import Tensor as _Tensor
+from torch import dtype as _dtype
 
 from ..config import Config
 from ..counters import counters
@@ -336,8 +337,10 @@ def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, ar
         tiles = -(-xnumel // xblock) * -(-ynumel // yblock) * others
         return (kernel, (tiles, 1, 1), (xnumel, ynumel), (xblock, yblock, big), warps, ("XBLOCK", "YBLOCK", "BIG"))
 
-    # the widest element sets the tile (a bf16 input written as fp32 keeps 16 KB of fp32)
-    itemsize = max((a.element_size() for a in args if isinstance(a, _Tensor)), default=4)
+    # The widest element sets the tile (a bf16 input written as fp32 keeps 16 KB of fp32).
+    # Precompile plans with dtypes in place of tensors; the plan it makes is the one kept.
+    itemsize = max((a.element_size() if isinstance(a, _Tensor) else a.itemsize
+                    for a in args if isinstance(a, (_Tensor, _dtype))), default=4)
     xblock, yblock, warps = tile_blocks(xnumel, ynumel, itemsize)
     if _tuning(kernel) and numel >= 4096:
         key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}:{_next_pow2(ynumel)}"
