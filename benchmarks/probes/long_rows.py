@@ -312,6 +312,42 @@ def form_rows(copy_gbs, out):
             print(line, flush=True)
 
 
+def mask_rows(out):
+    """torchfuse with and without dropping the masks of static sizes that the block divides."""
+    from torchfuse.codegen import triton as codegen
+    original = codegen._emit_mask
+
+    def always(em, mask, index, numel, block, shape):
+        em.line(f"{mask} = {index} < {numel}")
+    cases = [("col_sum", lambda x: x.sum(0), (8192, 2304)), ("col_sum", lambda x: x.sum(0), (2048, 3072)),
+             ("col_sum", lambda x: x.sum(0), (32768, 768)), ("row_sum", lambda x: x.sum(1), (4096, 4096)),
+             ("softmax", lambda x: torch.softmax(x, -1), (8192, 8192)),
+             ("ln", lambda x: F.layer_norm(x, x.shape[-1:]), (512, 131072)),
+             ("ln", lambda x: F.layer_norm(x, x.shape[-1:]), (4096, 768))]
+    out.append("")
+    out.append("| masks | shape | dtype | inductor us | static masks dropped us | always masked us |")
+    out.append("|---|---|---|---|---|---|")
+    for name, fn, shape in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            torch._dynamo.reset()
+            ind = gpu_bench.bench_graph(torch.compile(fn), x) * 1e3
+            times = []
+            for emit in (original, always):
+                codegen._emit_mask = emit
+                triton_launch._modules.clear()
+                try:
+                    torch._dynamo.reset()
+                    f = torch.compile(fn, backend="torchfuse", options={"cache_dir": f"/tmp/tf-masks-{len(times)}"})
+                    times.append(gpu_bench.bench_graph(f, x) * 1e3)
+                finally:
+                    codegen._emit_mask = original
+            line = (f"| {name} | {'x'.join(map(str, shape))} | {str(dtype)[6:]} | {ind:.1f} | "
+                    f"{times[0]:.1f} ({ind / times[0]:.2f}) | {times[1]:.1f} ({ind / times[1]:.2f}) |")
+            out.append(line)
+            print(line, flush=True)
+
+
 def permute_rows(copy_gbs, out):
     fn = lambda x, y: x.permute(0, 2, 1) + y  # noqa: E731
     original = triton_launch.tile_blocks
@@ -360,7 +396,7 @@ def dump_inductor(path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="ln,softmax,permute", help="any of ln,softmax,forms,permute")
+    ap.add_argument("--only", default="ln,softmax,permute", help="any of ln,softmax,forms,masks,permute")
     ap.add_argument("--no-variants", action="store_true", help="ln/softmax: Inductor and torchfuse only")
     a = ap.parse_args()
     if a.no_variants:
@@ -373,6 +409,8 @@ def main() -> None:
         rows_workloads(names, copy_gbs, out)
     if "forms" in only:
         form_rows(copy_gbs, out)
+    if "masks" in only:
+        mask_rows(out)
     if "permute" in only:
         permute_rows(copy_gbs, out)
     text = "\n".join(out)

@@ -359,11 +359,14 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         _emit_values(em, plan, plan.members, "xmask")
         out.append(f"@triton.jit\ndef {kernel.name}({params}):\n" + "\n".join(em.lines))
     else:
+        columns = rows_contiguous(plan)
         for persistent in (True, False):
             em = TritonEmitter(dtypes)
             if persistent:     # the row stays in registers: values carried between loops need no store
                 em.unstored = set(plan.carried)
             _static_numels(em, xnumel=plan.outer, rnumel=plan.inner)
+            if columns:     # masked column tiles measured faster (bf16 [8192, 2304] sum(0): 12.1
+                em.static.clear()    # vs 14.6 us unmasked; probes/long_rows.py --only masks)
             em.line("pid = tl.program_id(0)")
             em.line("if BIG:")
             em.line("    pid = pid.to(tl.int64)")
