@@ -668,7 +668,6 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
                 _emit_shift(em, plan, variance[1], vacc)
                 em.evict = keep
             accs = _open_accumulators(em, members)
-            _hoist_row_values(em, stage.members)
             _open_row_loop(em, plan)
         em.mask = full_mask
         if stage.kind == "inner":
@@ -689,31 +688,6 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
             if variance:
                 _finish_shifted_sums(em, plan, total, variance[0], variance[2], vacc)
                 skip = True
-
-
-def _hoist_row_values(em: TritonEmitter, members) -> None:
-    """Compute the values that are the same along the whole row (a layer norm's
-    rsqrt(var + eps), a per-row load) once before the row loop, not in every chunk: the loop's
-    body then finds them in the enclosing scope."""
-    invariant: dict[Node, bool] = {}
-
-    def same_along_row(n: Node) -> bool:
-        if n not in invariant:
-            invariant[n] = (not n.arg.startswith("y")) if n.op == "var" else \
-                all(same_along_row(a) for a in n.args)
-        return invariant[n]
-
-    def visit(n: Node) -> None:
-        if n.op in ("const", "var", "sym"):
-            return
-        if same_along_row(n):
-            em.value(n)
-            return
-        for a in n.args:
-            visit(a)
-    em.mask = "xmask"
-    for m in members:
-        visit(m.body)
 
 
 def _open_accumulators(em: TritonEmitter, members) -> list:
