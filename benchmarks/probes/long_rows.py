@@ -31,6 +31,9 @@ import triton.language as tl  # noqa: E402
 
 from torchfuse.runtime import triton_launch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pointwise_config import inductor_config  # noqa: E402
+
 
 @triton.jit
 def _ln(x_ptr, w_ptr, b_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
@@ -255,27 +258,6 @@ def rows_workloads(names, copy_gbs, out):
                 print(line, flush=True)
 
 
-def inductor_config(fn, *args) -> str:
-    """The launch config of Inductor's (last) kernel for fn(*args), from its autotuner's run."""
-    import re
-    from torch._inductor.runtime import triton_heuristics
-    seen: list[str] = []
-    original = triton_heuristics.CachingAutotuner.run
-
-    def run(self, *a, **k):
-        result = original(self, *a, **k)
-        for launcher in getattr(self, "launchers", [])[:1]:
-            seen.append(str(getattr(launcher, "config", "?")))
-        return result
-    triton_heuristics.CachingAutotuner.run = run
-    try:
-        torch._dynamo.reset()
-        torch.compile(fn)(*args)
-    finally:
-        triton_heuristics.CachingAutotuner.run = original
-    return re.sub(r"\s+", " ", seen[-1]).replace("|", "/") if seen else "?"
-
-
 def form_rows(copy_gbs, out):
     fn = lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b)  # noqa: E731
     out.append("")
@@ -290,7 +272,7 @@ def form_rows(copy_gbs, out):
             ref = fn(x, w, b).float()
             torch._dynamo.reset()
             ind = gpu_bench.bench_graph(torch.compile(fn), x, w, b) * 1e3
-            cfg = inductor_config(fn, x, w, b)
+            cfg = inductor_config(fn, x, w, b).replace("|", "/")
             torch._dynamo.reset()
             tf = gpu_bench.bench_graph(torch.compile(fn, backend="torchfuse"), x, w, b) * 1e3
             o = torch.empty_like(x)

@@ -24,8 +24,8 @@ FNS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
        "chain": lambda x: ((x * 1.5 + 0.3).relu() * 0.7).sigmoid()}
 
 
-def inductor_config(fn, x) -> str:
-    """The launch config of Inductor's kernel for fn(x), recorded from its autotuner's run."""
+def inductor_config(fn, *args) -> str:
+    """The launch config of Inductor's (last) kernel for fn(*args), from its autotuner's run."""
     from torch._inductor.runtime import triton_heuristics
     seen: list[str] = []
     original = triton_heuristics.CachingAutotuner.run
@@ -38,7 +38,7 @@ def inductor_config(fn, x) -> str:
     triton_heuristics.CachingAutotuner.run = run
     try:
         torch._dynamo.reset()
-        torch.compile(fn)(x)
+        torch.compile(fn)(*args)
     finally:
         triton_heuristics.CachingAutotuner.run = original
     return re.sub(r"\s+", " ", seen[-1]) if seen else "?"
