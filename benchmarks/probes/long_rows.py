@@ -35,78 +35,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pointwise_config import inductor_config  # noqa: E402
 
 
-@triton.jit
-def _ln(x_ptr, w_ptr, b_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
-    rbase = tl.arange(0, RBLOCK)
-    for row in range(tl.program_id(0), xnumel, tl.num_programs(0)):
-        base = tl.cast(row, tl.int64) * rnumel
-        s = tl.zeros([RBLOCK], tl.float32)
-        k = tl.zeros([RBLOCK], tl.float32)
-        s1 = tl.zeros([RBLOCK], tl.float32)
-        s2 = tl.zeros([RBLOCK], tl.float32)
-        n = tl.zeros([RBLOCK], tl.float32)
-        for off in range(0, rnumel, RBLOCK):
-            idx = off + rbase
-            m = idx < rnumel
-            if EVICT:
-                v = tl.load(x_ptr + base + idx, mask=m, other=0, eviction_policy="evict_last").to(tl.float32)
-            else:
-                v = tl.load(x_ptr + base + idx, mask=m, other=0).to(tl.float32)
-            s += tl.where(m, v, 0.0)
-            k = tl.where(m & (n == 0), v, k)
-            d = tl.where(m, v - k, 0.0)
-            s1 += d
-            s2 += d * d
-            n += tl.where(m, 1.0, 0.0)
-        mean = tl.sum(s, 0) / rnumel
-        c = k - mean
-        var = tl.sum(tl.where(n > 0, s2 + c * (2.0 * s1 + n * c), 0.0), 0) / rnumel
-        rstd = tl.rsqrt(var + 1e-5)
-        for off in range(0, rnumel, RBLOCK):
-            idx = off + rbase
-            m = idx < rnumel
-            if EVICT:
-                v = tl.load(x_ptr + base + idx, mask=m, other=0, eviction_policy="evict_first").to(tl.float32)
-                w = tl.load(w_ptr + idx, mask=m, other=0, eviction_policy="evict_last").to(tl.float32)
-                b = tl.load(b_ptr + idx, mask=m, other=0, eviction_policy="evict_last").to(tl.float32)
-            else:
-                v = tl.load(x_ptr + base + idx, mask=m, other=0).to(tl.float32)
-                w = tl.load(w_ptr + idx, mask=m, other=0).to(tl.float32)
-                b = tl.load(b_ptr + idx, mask=m, other=0).to(tl.float32)
-            y = (v - mean) * rstd * w + b
-            tl.store(o_ptr + base + idx, y.to(o_ptr.dtype.element_ty), mask=m)
+LAST, FIRST = tl.constexpr(1), tl.constexpr(2)   # _load POLICY: 0 no hint, else evict_last / evict_first
 
 
 @triton.jit
-def _softmax(x_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
-    rbase = tl.arange(0, RBLOCK)
-    for row in range(tl.program_id(0), xnumel, tl.num_programs(0)):
-        base = tl.cast(row, tl.int64) * rnumel
-        am = tl.full([RBLOCK], -float("inf"), tl.float32)
-        acc = tl.zeros([RBLOCK], tl.float32)
-        for off in range(0, rnumel, RBLOCK):
-            idx = off + rbase
-            m = idx < rnumel
-            if EVICT:
-                v = tl.load(x_ptr + base + idx, mask=m, other=-float("inf"), eviction_policy="evict_last")
-            else:
-                v = tl.load(x_ptr + base + idx, mask=m, other=-float("inf"))
-            v = v.to(tl.float32)
-            new = tl.maximum(am, v)
-            scale = tl.where(new == am, 1.0, tl.exp(am - new))
-            acc = acc * scale + tl.where(new == -float("inf"), 0.0, tl.exp(v - new))
-            am = new
-        mx = tl.max(am, 0)
-        total = tl.sum(acc * tl.exp(am - mx), 0)
-        inv = 1.0 / total
-        for off in range(0, rnumel, RBLOCK):
-            idx = off + rbase
-            m = idx < rnumel
-            if EVICT:
-                v = tl.load(x_ptr + base + idx, mask=m, other=0, eviction_policy="evict_first").to(tl.float32)
-            else:
-                v = tl.load(x_ptr + base + idx, mask=m, other=0).to(tl.float32)
-            tl.store(o_ptr + base + idx, (tl.exp(v - mx) * inv).to(o_ptr.dtype.element_ty), mask=m)
+def _load(ptrs, mask, other, POLICY: tl.constexpr):
+    if POLICY == 1:
+        v = tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_last")
+    elif POLICY == 2:
+        v = tl.load(ptrs, mask=mask, other=other, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptrs, mask=mask, other=other)
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -118,77 +58,94 @@ def _welford_combine(m1, q1, w1, m2, q2, w2):
 
 
 @triton.jit
-def _ln2(x_ptr, w_ptr, b_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, FORM: tl.constexpr, EVEN: tl.constexpr):
-    """FORM 0: shifted sums as torchfuse emits them now; 1: lean shifted sums (no separate sum,
-    lane counts computed, k loaded up front); 2: Welford (Inductor's).  EVEN: no masks."""
+def _ln(x_ptr, w_ptr, b_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, FORM: tl.constexpr,
+        EVEN: tl.constexpr, EVICT: tl.constexpr):
+    """Layer norm over rows pid, pid + grid, ...  FORM 0: shifted sums as torchfuse emitted them
+    before session 7 (five accumulators); 1: lean shifted sums (k loaded up front, lane counts
+    computed, the mean's sum from s1), as now; 2: Welford (Inductor's).  EVEN: no masks (a
+    constant-true one).  EVICT: L2 hints."""
     rbase = tl.arange(0, RBLOCK)
-    row = tl.program_id(0)
-    base = tl.cast(row, tl.int64) * rnumel
-    if FORM == 1:
-        k = tl.load(x_ptr + base + rbase, mask=rbase < rnumel, other=0).to(tl.float32)
-    else:
-        k = tl.zeros([RBLOCK], tl.float32)
-    s = tl.zeros([RBLOCK], tl.float32)
-    s1 = tl.zeros([RBLOCK], tl.float32)
-    s2 = tl.zeros([RBLOCK], tl.float32)
-    n = tl.zeros([RBLOCK], tl.float32)
-    for off in range(0, rnumel, RBLOCK):
-        idx = off + rbase
-        if EVEN:
-            v = tl.load(x_ptr + base + idx, eviction_policy="evict_last").to(tl.float32)
-            m = tl.full([RBLOCK], 1, tl.int1)
+    for row in range(tl.program_id(0), xnumel, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * rnumel
+        if FORM == 1:
+            k = _load(x_ptr + base + rbase, rbase < rnumel, 0, 0)
         else:
-            m = idx < rnumel
-            v = tl.load(x_ptr + base + idx, mask=m, other=0, eviction_policy="evict_last").to(tl.float32)
+            k = tl.zeros([RBLOCK], tl.float32)
+        s = tl.zeros([RBLOCK], tl.float32)
+        s1 = tl.zeros([RBLOCK], tl.float32)
+        s2 = tl.zeros([RBLOCK], tl.float32)
+        n = tl.zeros([RBLOCK], tl.float32)
+        for off in range(0, rnumel, RBLOCK):
+            idx = off + rbase
+            m = tl.full([RBLOCK], 1, tl.int1) if EVEN else idx < rnumel
+            v = _load(x_ptr + base + idx, m, 0, LAST if EVICT else 0)
+            if FORM == 0:
+                s += tl.where(m, v, 0.0)
+                k = tl.where(m & (n == 0), v, k)
+                d = tl.where(m, v - k, 0.0)
+                s1 += d
+                s2 += d * d
+                n += tl.where(m, 1.0, 0.0)
+            elif FORM == 1:
+                d = tl.where(m, v - k, 0.0)
+                s1 += d
+                s2 += d * d
+            else:
+                nn = n + 1.0
+                delta = v - s1
+                mean_new = s1 + delta / nn
+                m2_new = s2 + delta * (v - mean_new)
+                s1 = tl.where(m, mean_new, s1)
+                s2 = tl.where(m, m2_new, s2)
+                n = tl.where(m, nn, n)
         if FORM == 0:
-            s += tl.where(m, v, 0.0)
-            k = tl.where(m & (n == 0), v, k)
-            d = tl.where(m, v - k, 0.0)
-            s1 += d
-            s2 += d * d
-            n += tl.where(m, 1.0, 0.0)
+            mean = tl.sum(s, 0) / rnumel
+            c = k - mean
+            var = tl.sum(tl.where(n > 0, s2 + c * (2.0 * s1 + n * c), 0.0), 0) / rnumel
         elif FORM == 1:
-            d = v - k if EVEN else tl.where(m, v - k, 0.0)
-            s1 += d
-            s2 += d * d
+            n = tl.maximum((rnumel - rbase + RBLOCK - 1) // RBLOCK, 0).to(tl.float32)
+            mean = tl.sum(k * n + s1, 0) / rnumel
+            c = k - mean
+            var = tl.sum(s2 + c * (2.0 * s1 + n * c), 0) / rnumel
         else:
-            nn = n + 1.0
-            delta = v - s1
-            mean_new = s1 + delta / nn
-            m2_new = s2 + delta * (v - mean_new)
-            s1 = tl.where(m, mean_new, s1)
-            s2 = tl.where(m, m2_new, s2)
-            n = tl.where(m, nn, n)
-    if FORM == 0:
-        mean = tl.sum(s, 0) / rnumel
-        c = k - mean
-        var = tl.sum(tl.where(n > 0, s2 + c * (2.0 * s1 + n * c), 0.0), 0) / rnumel
-    elif FORM == 1:
-        n = tl.maximum((rnumel - rbase + RBLOCK - 1) // RBLOCK, 0).to(tl.float32)
-        mean = tl.sum(k * n + s1, 0) / rnumel
-        c = k - mean
-        var = tl.sum(s2 + c * (2.0 * s1 + n * c), 0) / rnumel
-    else:
-        mean, m2, _ = tl.reduce((s1, s2, n), 0, _welford_combine)
-        var = m2 / rnumel
-    rstd = tl.rsqrt(var + 1e-5)
-    for off in range(0, rnumel, RBLOCK):
-        idx = off + rbase
-        if EVEN:
-            v = tl.load(x_ptr + base + idx, eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(w_ptr + idx, eviction_policy="evict_last").to(tl.float32)
-            b = tl.load(b_ptr + idx, eviction_policy="evict_last").to(tl.float32)
-            tl.store(o_ptr + base + idx, ((v - mean) * rstd * w + b).to(o_ptr.dtype.element_ty))
-        else:
-            m = idx < rnumel
-            v = tl.load(x_ptr + base + idx, mask=m, other=0, eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(w_ptr + idx, mask=m, other=0, eviction_policy="evict_last").to(tl.float32)
-            b = tl.load(b_ptr + idx, mask=m, other=0, eviction_policy="evict_last").to(tl.float32)
+            mean, m2, _ = tl.reduce((s1, s2, n), 0, _welford_combine)
+            var = m2 / rnumel
+        rstd = tl.rsqrt(var + 1e-5)
+        for off in range(0, rnumel, RBLOCK):
+            idx = off + rbase
+            m = tl.full([RBLOCK], 1, tl.int1) if EVEN else idx < rnumel
+            v = _load(x_ptr + base + idx, m, 0, FIRST if EVICT else 0)
+            w = _load(w_ptr + idx, m, 0, LAST if EVICT else 0)
+            b = _load(b_ptr + idx, m, 0, LAST if EVICT else 0)
             tl.store(o_ptr + base + idx, ((v - mean) * rstd * w + b).to(o_ptr.dtype.element_ty), mask=m)
 
 
-# round 2 (layer norm only, grid = rows, evict hints on): (FORM, RBLOCK, warps)
-# (FORM, RBLOCK, warps, EVEN when the row divides); the first is torchfuse's kernel with hints
+@triton.jit
+def _softmax(x_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, EVICT: tl.constexpr):
+    rbase = tl.arange(0, RBLOCK)
+    for row in range(tl.program_id(0), xnumel, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * rnumel
+        am = tl.full([RBLOCK], -float("inf"), tl.float32)
+        acc = tl.zeros([RBLOCK], tl.float32)
+        for off in range(0, rnumel, RBLOCK):
+            idx = off + rbase
+            v = _load(x_ptr + base + idx, idx < rnumel, -float("inf"), LAST if EVICT else 0)
+            new = tl.maximum(am, v)
+            scale = tl.where(new == am, 1.0, tl.exp(am - new))
+            acc = acc * scale + tl.where(new == -float("inf"), 0.0, tl.exp(v - new))
+            am = new
+        mx = tl.max(am, 0)
+        total = tl.sum(acc * tl.exp(am - mx), 0)
+        inv = 1.0 / total
+        for off in range(0, rnumel, RBLOCK):
+            idx = off + rbase
+            m = idx < rnumel
+            v = _load(x_ptr + base + idx, m, 0, FIRST if EVICT else 0)
+            tl.store(o_ptr + base + idx, (tl.exp(v - mx) * inv).to(o_ptr.dtype.element_ty), mask=m)
+
+
+# round 2 (layer norm only, grid = rows, evict hints on): (FORM, RBLOCK, warps, EVEN when the
+# row divides); the first is the pre-session-7 kernel with hints
 FORMS = [(0, 2048, 16, 0), (0, 2048, 16, 1), (1, 2048, 16, 0), (1, 2048, 16, 1), (2, 2048, 16, 1), (1, 2048, 8, 1),
          (1, 4096, 16, 1), (1, 1024, 4, 1), (1, 4096, 8, 1), (2, 4096, 16, 1), (2, 1024, 4, 1), (1, 1024, 8, 1)]
 
@@ -236,7 +193,7 @@ def rows_workloads(names, copy_gbs, out):
                 for g, rb, wp, ev in VARIANTS:
                     grid = (_grid(g, rows),)
                     if name == "ln":
-                        go = lambda g=grid, rb=rb, wp=wp, ev=ev: _ln[g](x, w, b, o, rows, cols, RBLOCK=rb, EVICT=ev,  # noqa: E731
+                        go = lambda g=grid, rb=rb, wp=wp, ev=ev: _ln[g](x, w, b, o, rows, cols, RBLOCK=rb, FORM=0, EVEN=0, EVICT=ev,  # noqa: E731
                                                                         num_warps=wp)
                     else:
                         go = lambda g=grid, rb=rb, wp=wp, ev=ev: _softmax[g](x, o, rows, cols, RBLOCK=rb, EVICT=ev,  # noqa: E731
@@ -279,8 +236,8 @@ def form_rows(copy_gbs, out):
             cells, best = [], (float("inf"), "")
             for form, rb, wp, even in FORMS:
                 even = int(bool(even) and cols % rb == 0)
-                go = lambda form=form, rb=rb, wp=wp, even=even: _ln2[(rows,)](  # noqa: E731
-                    x, w, b, o, rows, cols, RBLOCK=rb, FORM=form, EVEN=even, num_warps=wp)
+                go = lambda form=form, rb=rb, wp=wp, even=even: _ln[(rows,)](  # noqa: E731
+                    x, w, b, o, rows, cols, RBLOCK=rb, FORM=form, EVEN=even, EVICT=1, num_warps=wp)
                 go()
                 err = float((o.float() - ref).abs().max())
                 us = gpu_bench.bench_graph(go) * 1e3
