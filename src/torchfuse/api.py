@@ -41,6 +41,7 @@ class Explanation:
     fallbacks: list[FallbackInfo] = field(default_factory=list)
     refused_fusions: list[str] = field(default_factory=list)
     passes: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)   # per graph: parameter-only values hoisted out of calls
     output: Any = None
 
     def __str__(self) -> str:
@@ -49,6 +50,9 @@ class Explanation:
         if self.passes:
             lines.append("\npasses:")
             lines += [f"  {p}" for p in self.passes]
+        if self.frozen:
+            lines.append("\nhoisted parameter computations:")
+            lines += [f"  {f}" for f in self.frozen]
         lines.append("\nkernels:")
         lines += [f"  {k}" for k in self.kernels] or ["  (none)"]
         lines.append("\nfallbacks to ATen:")

@@ -44,10 +44,16 @@ class Config:
     passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm",
                                "unfuse_conv_bias", "dce")
     """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
-    conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
-    """Devices on which conv_bn_fold runs.  Without frozen weights the fold is recomputed every
-    call (two small kernels per convolution); on a GPU those launches cost more than the batch
-    norm they remove, which fuses into the following ReLU anyway."""
+    conv_bn_fold_devices: tuple[str, ...] = ("cpu", "cuda")
+    """Devices on which conv_bn_fold runs (inference graphs).  The folded weights are computed
+    from parameters alone, so they are hoisted out of the per-call path (see `freezing`)."""
+    freezing: bool = False
+    """Inference graphs: values computed from parameters and buffers alone (folded conv-bn
+    weights, weight casts, position biases) are always computed once and kept; by default they
+    are recomputed when a parameter changes (its version counter or storage, checked per call).
+    With freezing=True parameters are constants: computed once and never checked again (a
+    parameter changed after the first call is not seen; recompile to pick it up).  On with
+    mode="max-autotune"."""
     cublas_devices: tuple[str, ...] = ("cuda",)
     """Devices whose matrix products run in cuBLAS: pad_mm pads their unaligned sizes (the fast
     kernels need 16-byte-aligned leading dimensions) and unfuse_addmm / unfuse_conv_bias move
@@ -111,7 +117,7 @@ class Config:
         if os.environ.get("TORCHFUSE_STRICT", "") not in ("", "0"):
             env["strict"] = True
         modes = {None: {}, "default": {}, "reduce-overhead": {"cudagraphs": True},
-                 "max-autotune": {"autotune": True, "cudagraphs": True},
+                 "max-autotune": {"autotune": True, "cudagraphs": True, "freezing": True},
                  "max-autotune-no-cudagraphs": {"autotune": True}}
         if mode not in modes:
             raise ValueError(f"torchfuse: unknown mode {mode!r}; valid modes are {sorted(m for m in modes if m)}")

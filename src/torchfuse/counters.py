@@ -19,6 +19,7 @@ class Counters(collections.Counter):
       cache_hits_memory kernel libraries found already loaded in this process
       fallback_ops      aten ops executed through ATen inside compiled graphs
       eager_fallbacks   whole graphs run eagerly because a kernel failed to build
+      buffers_reused_in_place  kernel outputs written into a buffer that died at that kernel
       kernels_precompiled Triton kernels compiled in parallel before a graph's first call
       kernels_compiled_in_workers  of those, the ones a worker process compiled
 

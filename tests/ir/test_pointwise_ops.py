@@ -623,4 +623,6 @@ def test_float32_transcendentals_wide_range(tf):
                                    0.7071068, 1.0000001, 0.99999994, -1.0, NAN, INF, -INF])])
 
     tf.check(lambda x, pos: (x.exp(), x.tanh(), x.sigmoid(), torch.erf(x), pos.log()), x, pos, signed_zeros=True)
-    tf.check(lambda x: (F.gelu(x), F.silu(x), F.softplus(x), torch.logsumexp(x[:4001], 0)), x)
+    # eager's GELU of +-inf is NaN in its AVX-512 loop and +-inf in its AVX2 one: not compared
+    finite = torch.where(x.isinf(), 0.0, x)
+    tf.check(lambda x, finite: (F.gelu(finite), F.silu(x), F.softplus(x), torch.logsumexp(x[:4001], 0)), x, finite)

@@ -159,11 +159,10 @@ def test_not_split(tf):
     # many rows already fill the machine; short rows are not worth a second kernel
     tf.check(lambda x: x.sum(1), tf.rand((64, 1000)), options=CPP, kernels=1, atol=1e-4, rtol=1e-4)
     tf.check(lambda x: x.sum(), tf.rand((100,)), options=CPP, kernels=1)
-    # arg-reductions need the index of each partial; softmax/var need a whole row first
+    # arg-reductions need the index of each partial; softmax needs a whole row first
     e = tf.check(lambda x: x.argmax(), tf.rand((1000,)), options=CPP, kernels=1)
     assert any("not split: argmax" in r for r in e.refused_fusions), e.refused_fusions
     tf.check(lambda x: torch.softmax(x, -1), tf.rand((1000,)), options=CPP, kernels=1)
-    tf.check(lambda x: x.var(), tf.rand((1000,)), options=CPP, kernels=1)
     tf.check(lambda x: x.sum(), tf.rand((1000,)), options={**CPP, "split_reductions": False}, kernels=1)
     # the default thresholds: a small full sum stays one kernel
     tf.check(lambda x: x.sum(), tf.rand((5000,)), kernels=1)
@@ -237,3 +236,41 @@ def test_column_sums_split_by_tiles(tf, gpu_like_split, shape, kernels):
     3000 columns are 94 tiles, already enough programs."""
     tf.check(lambda x: x.sum(0), tf.rand(shape), options={"cpu_backend": "triton"}, kernels=kernels,
              atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# variance: the one reduction chain that splits (shifted sums per chunk, combined exactly)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("shape", [(1000,), (997,), (37, 41)])
+@pytest.mark.parametrize("center", [0.0, 1e4])
+def test_variance_splits(tf, backend, shape, center):
+    """var/var_mean over the whole tensor: partial shifted sums, then one kernel combining them.
+    Far from zero (mean 1e4, std 1) the shifted sums must not cancel."""
+    x = tf.rand(shape) + center
+    e = _check(tf, backend, lambda x: torch.var_mean(x, correction=1), x, kernels=2, rtol=1e-4, atol=1e-4)
+    assert any(k.name.endswith("_part") for k in e.kernels)
+    ref = x.double().var()
+    assert abs(e.output[0].double() - ref) / ref < 1e-4
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("shape", [(8, 4, 16, 16), (3, 5, 29, 31), (2, 3, 1, 2053)])   # the last: masked chunks
+def test_batch_norm_statistics_split(tf, gpu_like_split, channels_last, shape):
+    """A training batch norm's per-channel var_mean over N*H*W (few channels, long columns)
+    splits into partial programs; values, running stats and gradients match eager."""
+    bn = torch.nn.BatchNorm2d(shape[1])
+    x = tf.rand(shape) * 2 + 5
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+
+    def fn(x, w, b, rm, rv):
+        rm, rv = rm.clone(), rv.clone()       # the running stats are updated in place
+        y = torch.nn.functional.batch_norm(x, rm, rv, w, b, training=True)
+        return torch.relu(y), rm * 1, rv * 1
+
+    args = (x, torch.rand(shape[1]) + 0.5, torch.randn(shape[1]), torch.zeros(shape[1]), torch.ones(shape[1]))
+    e = tf.check(fn, *args, options={"cpu_backend": "triton"}, atol=1e-4, rtol=1e-4)
+    assert any(k.name.endswith("_part") and "var" in " ".join(k.nodes) for k in e.kernels), \
+        [str(k) for k in e.kernels]

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..ir.nodes import INDEX, Node, free_syms, load, loads, to_text, walk
-from ..scheduler.loops import LoopPlan, _stride_of
+from ..scheduler.loops import LoopPlan, _stride_of, step_of
 from .common import ExprEmitter
 
 TL = {
@@ -466,7 +466,7 @@ def rows_contiguous(plan: LoopPlan) -> bool:
     for m in plan.members:
         if m.role == "reduce":
             for ld in loads(m.body):
-                if _stride_of(ld.args[0], last_y) not in (0, 1) and _stride_of(ld.args[0], last_x) == 1:
+                if step_of(ld.args[0], last_y) not in (0, 1) and step_of(ld.args[0], last_x) == 1:
                     return True
     return False
 

@@ -29,7 +29,8 @@ class TorchfuseBackend:
         from ..runtime.compiled_graph import compile_graph
 
         def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            return compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report)
+            return compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report,
+                                 static_inputs=_static_input_indices() if kind == "inference" else None)
         return compile_fn
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -47,6 +48,14 @@ class TorchfuseBackend:
                            decompositions=decomposition_table(), partition_fn=partition)
         with counters.timed("backend"):      # AOTAutograd + every compile_graph it calls
             return aot(gm, example_inputs)
+
+
+def _static_input_indices() -> set[int]:
+    """Positions of the parameters and buffers among the graph's inputs, as AOTAutograd marked
+    them for the graph being compiled now (empty when it did not say)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    return set(getattr(meta, "static_input_indices", None) or ())
 
 
 def _start_compile_workers(example_inputs: list, config: Config) -> None:

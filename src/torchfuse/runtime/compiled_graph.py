@@ -57,8 +57,12 @@ class DebugWriter:
 
 
 def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: str = "forward",
-                  report: Explanation | None = None) -> Callable:
-    """Compile an aten graph into a boxed callable `fn(list_of_inputs) -> tuple_of_outputs`."""
+                  report: Explanation | None = None, static_inputs: set[int] | None = None) -> Callable:
+    """Compile an aten graph into a boxed callable `fn(list_of_inputs) -> tuple_of_outputs`.
+
+    `static_inputs` are the positions of parameters and buffers (AOTAutograd's
+    static_input_indices): in an inference graph what is computed from them alone is hoisted
+    out of the per-call path (passes/hoist_static.py)."""
     graph_name = f"graph{next(_graph_ids)}_{kind}"
     debug = DebugWriter(config, graph_name)
     counters.bump("graphs_compiled")
@@ -76,6 +80,28 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     if report is not None:
         report.graphs += [f"# {graph_name}: aten graph\n{before}", f"# {graph_name}: after passes\n{after}"]
         report.passes += [f"{graph_name}: {r}" for r in records]
+    hoisted = None
+    if inference and static_inputs:
+        from ..passes.hoist_static import hoist_static
+        with counters.timed("passes"):
+            hoisted = hoist_static(gm, static_inputs)
+    if hoisted is not None:
+        what = ("frozen (computed once; later parameter changes are not seen)" if config.freezing
+                else "cached until a parameter changes")
+        line = f"{graph_name}: {hoisted.describe()}; {what}"
+        log.debug("%s", line)
+        debug.write("hoisted.txt", lambda: line + "\n\n" + hoisted.const_gm.print_readable(print_output=False))
+        if report is not None:
+            report.frozen.append(line)
+        from .static_values import StaticPrologue
+        return StaticPrologue(_lower_and_build(gm, config, graph_name, debug, report, t0), hoisted,
+                              config.freezing)
+    return _lower_and_build(gm, config, graph_name, debug, report, t0)
+
+
+def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug: "DebugWriter",
+                     report: Explanation | None, t0: float) -> Callable:
+    """The stages after the graph passes: lowering, fusion, codegen, build, wrapper."""
     try:
         with counters.timed("lowering"):
             program, fallbacks = lower_graph(gm, config)
@@ -155,6 +181,7 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     counters.bump("kernels_generated", len(sources))
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls)
     wrapper_src = builder.build()
+    counters.bump("buffers_reused_in_place", builder.reused)
     counters.add_seconds("codegen", time.perf_counter() - t_codegen)
     debug.write("wrapper.py", wrapper_src)
     if report is not None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph
-from ..ir.nodes import INDEX, Node
+from ..ir.nodes import INDEX, Node, loads as _ir_loads
 from ..scheduler.fusion import Kernel
 
 
@@ -91,8 +91,9 @@ class WrapperBuilder:
                 else f"int(in{pos})"
             L.append(f"    {sym_name} = {src}")
         L.append("    args.clear()")
+        used = self._used_buffers()
         for i, (_, val) in enumerate(p.inputs):
-            if isinstance(val, torch.Tensor) and val.ndim > 0:
+            if isinstance(val, torch.Tensor) and val.ndim > 0 and f"in{i}" in used:
                 # Kernels index inputs with the strides they were traced with; Dynamo guards user
                 # inputs, but tensors handed over between graphs (saved for backward) may differ.
                 sizes, strides, _, _ = p.buffer_meta[f"in{i}"]
@@ -109,14 +110,22 @@ class WrapperBuilder:
                 L.append(f"    if in{i} is not None and {got} != {want}: "
                          f"in{i} = _restride(in{i}, {_tuple(sizes)}, {_tuple(strides)})")
         last_use = self._last_uses()
+        reusable = self._reusable()
         for pos, item in enumerate(self.items):
             if isinstance(item, Kernel):
                 bufs, syms = self.kernel_args[item.name]
                 for sym_name, expr in item.bindings:     # e.g. a split factor from run-time sizes
                     L.append(f"    {sym_name} = {expr}")
+                donor = self._in_place_donor(item, pos, last_use, reusable)
                 for m in item.members:
                     if m.buffer.name in self.stored:
-                        self._alloc(m.buffer.name)
+                        if donor is not None and m.buffer.name == donor[0]:
+                            L.append(f"    {m.buffer.name} = {donor[1]}   # in place: {donor[1]} dies here")
+                            reusable.add(m.buffer.name)
+                            self.reused += 1
+                        else:
+                            self._alloc(m.buffer.name)
+                            reusable.add(m.buffer.name)
                 if item.name in self.kernel_calls:
                     L.append(f"    {self.kernel_calls[item.name]}")
                 else:
@@ -141,6 +150,64 @@ class WrapperBuilder:
                 outs.append(self.const(o[1]))
         L.append(f"    return ({''.join(x + ', ' for x in outs)})")
         return "\n".join(L) + "\n"
+
+    def _used_buffers(self) -> set[str]:
+        """Buffers some step reads or the graph returns (an input read by nothing, a parameter
+        only a hoisted computation used, needs no stride check)."""
+        used = set(self._outputs())
+        for item in self.items:
+            if isinstance(item, Kernel):
+                used |= set(self.kernel_args[item.name][0])
+            elif isinstance(item, AliasView):
+                used.add(item.base)
+            elif isinstance(item, FallbackCall):
+                refs: list[str] = []
+                _buffer_refs((item.args, list(item.kwargs.values())), refs)
+                used |= set(refs)
+        return used
+
+    def _reusable(self) -> set[str]:
+        """Buffers whose storage nothing else can see: not inputs or outputs, not the base of a
+        view, not handed to an ATen op that may return an alias of it.  Filled as the wrapper
+        is built (a kernel's allocated buffers; fallback outputs that are fresh tensors)."""
+        self.reused = 0
+        self._shared: set[str] = set(self._outputs())
+        for item in self.items:
+            if isinstance(item, AliasView):
+                self._shared |= {item.base, item.name}
+            elif isinstance(item, FallbackCall):
+                if not _returns_fresh(item.target):
+                    refs: list[str] = []
+                    _buffer_refs((item.args, list(item.kwargs.values())), refs)
+                    self._shared |= set(refs) | {o for o in item.outputs if o is not None}
+        fresh = {o for item in self.items if isinstance(item, FallbackCall) and _returns_fresh(item.target)
+                 for o in item.outputs if o is not None and o in self.program.buffer_meta}
+        return fresh - self._shared
+
+    def _in_place_donor(self, kernel: Kernel, pos: int, last_use: dict[str, int],
+                        reusable: set[str]) -> tuple[str, str] | None:
+        """(buffer, donor): the kernel's last stored buffer may take the storage of a buffer
+        that dies at this kernel, when it has the same layout and dtype and the kernel reads it
+        only at the element it writes (a pointwise kernel: each element is read before it is
+        overwritten, by the same thread).  Saves an allocation and, on CPU, the page faults of
+        touching fresh memory; on GPU the allocator's peak."""
+        if kernel.kind != "pointwise":
+            return None
+        # the last stored member: every load of the kernel is emitted before its store
+        stored = [m for m in kernel.members if m.buffer.name in self.stored]
+        if not stored:
+            return None
+        target = stored[-1]
+        meta = self.program.buffer_meta[target.buffer.name]
+        reads: dict[str, set] = {}
+        for m in kernel.members:
+            for ld in _ir_loads(m.body):
+                reads.setdefault(ld.arg, set()).add(ld.args[0])
+        for name, indices in reads.items():
+            if (name in reusable and name not in self._shared and last_use.get(name) == pos
+                    and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
+                return target.buffer.name, name
+        return None
 
     def _outputs(self) -> set[str]:
         return {o for o in self.program.outputs if isinstance(o, str)}
@@ -210,6 +277,21 @@ class WrapperBuilder:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
         return {b: p for b, p in last.items() if not b.startswith("in")}
+
+
+def _buffer_refs(a: Any, out: list[str]) -> None:
+    if isinstance(a, BufferRef):
+        out.append(a.buffer)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _buffer_refs(x, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _returns_fresh(op: Any) -> bool:
+    """Does an ATen op return new tensors (no result may share an argument's storage)?"""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
 def _could_bind(schema: Any, n_positional: int, keywords: frozenset[str]) -> bool:

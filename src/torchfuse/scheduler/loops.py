@@ -89,6 +89,21 @@ def _stride_of(expr: Node, name: str) -> float:
     return coef
 
 
+def step_of(expr: Node, name: str) -> float:
+    """How far the address moves when var `name` goes from 0 to 1, the other vars at 0: the
+    stride of an affine index, and also of an index that unflattens a split's chunk
+    (((x0 * C + y0) // W) % H * S1 + (y0 % W) * S2 ...), whose terms hide y0 inside // and %
+    (_stride_of sees no y0 term there).  Falls back to _stride_of when the index is symbolic."""
+    from ..ir.nodes import const, walk
+    names = {n.arg for n in walk(expr) if n.op == "var"}
+    if name in names:
+        zero = {var(v): const(0) for v in names}
+        at0, at1 = substitute(expr, zero), substitute(expr, {**zero, var(name): const(1)})
+        if at0.op == "const" and at1.op == "const":
+            return at1.arg - at0.arg
+    return _stride_of(expr, name)
+
+
 def _reorder_outer(members: list[Member], sizes: tuple[Node, ...]) -> tuple[list[Member], tuple[Node, ...]]:
     """Loop over the outer dims in the order of the output's memory layout (innermost = smallest
     stride), so a channels-last or transposed output is written contiguously."""

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ..ir.buffers import ComputedBuffer, Layout, LoweredGraph, contiguous_strides
-from ..ir.nodes import (Node, const, floordiv, load, loads, map_nodes, mod, op, substitute, sym, var, walk,
-                        where)
+from ..ir.nodes import (Node, cast, const, floordiv, load, loads, map_nodes, mod, op, substitute, sym, var,
+                        walk, where)
 from .fusion import Kernel, Member, Schedule
-from .loops import _stride_of
+from .loops import _stride_of, step_of
 
 log = logging.getLogger("torchfuse.split")
 
@@ -104,8 +104,37 @@ def _reads(m: Member, names: set[str]) -> set[str]:
     return {ld.arg for ld in loads(m.body)} & names
 
 
-def _classify(kernel: Kernel) -> tuple[list[Member], list[Member], list[Member], list[Member]] | str:
-    """(pre, reduce, outer, post) members, or why the kernel cannot be split."""
+@dataclass(frozen=True)
+class _VarianceChain:
+    """S = sum(x) and V = sum((x - a) * (x - a)), a being a per-row value read from S (a mean):
+    the one reduction chain that splits, through shifted sums (see _Splitter._split_variance)."""
+    total: Member
+    squares: Member
+    x: Node
+    a: Node
+
+
+def _variance_chain(red: list[Member], pre_names: set[str], everything: set[str]) -> _VarianceChain | None:
+    chained = [m for m in red if _reads(m, everything) - pre_names]
+    if len(chained) != 1:
+        return None
+    v = chained[0]
+    d = v.body
+    if v.buffer.reduction_op != "sum" or d.dtype != torch.float32 or d.op != "mul" or d.args[0] != d.args[1] \
+            or d.args[0].op != "sub":
+        return None
+    x, a = d.args[0].args
+    total = next((m for m in red if m is not v and m.buffer.reduction_op == "sum" and m.body == x), None)
+    if total is None or _reads(v, everything) - pre_names != {total.buffer.name}:
+        return None
+    if any(n.op == "var" and n.arg.startswith("y") for n in walk(a)) or _reads(total, everything) - pre_names:
+        return None
+    return _VarianceChain(total, v, x, a)
+
+
+def _classify(kernel: Kernel) -> tuple[list[Member], list[Member], list[Member], list[Member],
+                                       _VarianceChain | None] | str:
+    """(pre, reduce, outer, post, variance chain) members, or why the kernel cannot be split."""
     everything = {m.buffer.name for m in kernel.members}
     red = [m for m in kernel.members if m.role == "reduce"]
     outer = [m for m in kernel.members if m.role == "outer"]
@@ -118,13 +147,14 @@ def _classify(kernel: Kernel) -> tuple[list[Member], list[Member], list[Member],
             (pre if independent else post).append(m)
             if independent:
                 pre_names.add(m.buffer.name)
+    chain = _variance_chain(red, pre_names, everything)
     for m in red:
         if m.buffer.reduction_op not in SPLIT_OPS:
             return f"{m.buffer.reduction_op} needs the index of each partial (not split)"
         bad = _reads(m, everything) - pre_names
-        if bad:
+        if bad and (chain is None or m is not chain.squares):
             return f"{m.buffer.name} reads {sorted(bad)} of the same kernel (a reduction chain needs all rows first)"
-    return pre, red, outer, post
+    return pre, red, outer, post, chain
 
 
 def _inner_order(kernel: Kernel, red: list[Member]) -> list[int]:
@@ -144,9 +174,9 @@ def _column_like(kernel: Kernel, red: list[Member]) -> bool:
     last_x, last_y = f"x{len(kernel.outer) - 1}", f"y{len(kernel.inner) - 1}"
     for m in red:
         for ld in loads(m.body):
-            ystride = _stride_of(ld.args[0], last_y)
+            ystride = step_of(ld.args[0], last_y)
             if ystride:
-                return bool(kernel.outer) and ystride != 1 and _stride_of(ld.args[0], last_x) == 1
+                return bool(kernel.outer) and ystride != 1 and step_of(ld.args[0], last_x) == 1
     return False
 
 
@@ -195,7 +225,7 @@ class _Splitter:
         classes = _classify(kernel)
         if isinstance(classes, str):
             return classes
-        pre, red, outer, post = classes
+        pre, red, outer, post, chain = classes
         p = self.params
         rows, length = _product(kernel.outer), _product(kernel.inner)
         bindings: list[tuple[str, str]] = []
@@ -250,6 +280,10 @@ class _Splitter:
         k2 = Kernel(kernel.name, kernel.outer, (split,))
         for m in pre:
             k1.members.append(Member(m.buffer, "inner", rewrite(m.body), substitute(m.store, mapping, ranges)))
+        if chain is not None:
+            red = [m for m in red if m is not chain.total and m is not chain.squares]
+            self._split_variance(kernel, chain, k1, k2, split, chunk, length, order, mapping, ranges, cond,
+                                 part_sizes, part_strides, part_store, row_index)
         for m in red:
             red_op, acc = m.buffer.reduction_op, m.body.dtype
             body = rewrite(m.body)
@@ -275,16 +309,75 @@ class _Splitter:
                   "masked" if masked else "exact")
         return out
 
+    def _split_variance(self, kernel: Kernel, chain: _VarianceChain, k1: Kernel, k2: Kernel, split: Node,
+                        chunk: Node, length: Node, order: list[int], mapping: dict, ranges: dict,
+                        cond: Node | None, part_sizes: tuple, part_strides: tuple, part_store: Node,
+                        row_index: Node) -> None:
+        """Chan's parallel variance with shifted sums: each chunk c of a row sums d = x - k_c and
+        d * d, k_c being x at the chunk's first element (as the looped kernel's lanes do, see
+        codegen.triton._emit_shifted_sums); the second kernel reads k_c again and combines
+            S = sum_c (k_c n_c + s1_c)
+            V = sum_c (s2_c + 2 (k_c - a) s1_c + n_c (k_c - a)^2)      (exact for any a)
+        so the per-row mean a = f(S) is known there.  Nothing cancels by more than a small
+        factor when the chunk's first value is within a few deviations of its mean."""
+        f32 = torch.float32
+        start_k1 = var("x0") * chunk          # the chunk's first reduced index, in K1 ...
+        start_k2 = var("y0") * chunk          # ... and in K2, whose reduced index is the chunk
+        ranges2 = {"y0": split, **{f"x{j}": s for j, s in enumerate(kernel.outer)}}
+
+        def at(start: Node, shift: dict, rng: dict) -> dict:
+            out, rest = dict(shift), start
+            for pos, j in enumerate(reversed(order)):
+                last = pos == len(order) - 1
+                out[var(f"y{j}")] = rest if last else mod(rest, kernel.inner[j], rng)
+                rest = rest if last else floordiv(rest, kernel.inner[j], rng)
+            return out
+
+        first_ok1 = op("lt", start_k1, length, dtype=torch.bool)
+        first_ok2 = op("lt", start_k2, length, dtype=torch.bool)
+        xs = {k: v for k, v in mapping.items() if k.arg.startswith("x")}
+        k_in_k1 = where(first_ok1, _mask_loads(substitute(chain.x, at(start_k1, xs, ranges), ranges), first_ok1),
+                        const(0.0, f32))
+        k_in_k2 = where(first_ok2, _mask_loads(substitute(chain.x, at(start_k2, {}, ranges2), ranges2), first_ok2,
+                                               ("y0",)), const(0.0, f32))
+        x1 = _mask_loads(substitute(chain.x, mapping, ranges), cond) if cond is not None else \
+            substitute(chain.x, mapping, ranges)
+        d = op("sub", x1, k_in_k1, dtype=f32)
+        if cond is not None:
+            d = where(cond, d, const(0.0, f32))
+        device = self.program.buffer_meta[chain.total.buffer.name][3]
+        names = []
+        for m, body in ((chain.total, d), (chain.squares, op("mul", d, d, dtype=f32))):
+            name = f"{m.buffer.name}_part"
+            part = ComputedBuffer(name, f32, Layout(part_sizes, part_strides), part_sizes, body, "sum",
+                                  (chunk,), list(m.buffer.origins))
+            self.program.buffer_meta[name] = (part_sizes, part_strides, f32, device)
+            k1.members.append(Member(part, "reduce", body, part_store))
+            names.append(name)
+        s1, s2 = (load(nm, var("y0") * _product(kernel.outer) + row_index, f32) for nm in names)
+        # elements in chunk y0: chunk, except the last one(s) when chunks do not divide R
+        left = length - start_k2
+        count = chunk if cond is None else where(op("lt", left, chunk, dtype=torch.bool),
+                                                 where(first_ok2, left, const(0)), chunk)
+        n = cast(count, f32)
+        total = op("add", op("mul", k_in_k2, n, dtype=f32), s1, dtype=f32)
+        c = op("sub", k_in_k2, chain.a, dtype=f32)
+        two_s1 = op("mul", const(2.0, f32), s1, dtype=f32)
+        squares = op("add", s2, op("mul", c, op("add", two_s1, op("mul", n, c, dtype=f32), dtype=f32), dtype=f32),
+                     dtype=f32)
+        k2.members.append(Member(chain.total.buffer, "reduce", total, chain.total.store))
+        k2.members.append(Member(chain.squares.buffer, "reduce", squares, chain.squares.store))
+
     def _stored(self, kernel: Kernel, m: Member, post: list[Member]) -> bool:
         post_reads = {ld.arg for p in post for ld in loads(p.body)}
         return bool(m.buffer.is_output or (self.readers.get(m.buffer.name, set()) - {kernel.name})
                     or m.buffer.name in post_reads)
 
 
-def _mask_loads(body: Node, cond: Node) -> Node:
+def _mask_loads(body: Node, cond: Node, index_vars: tuple[str, ...] = ("x0", "y0")) -> Node:
     """Guard every load whose address walks the reduced index: the last chunk may pass R."""
     def fn(n: Node, args: tuple[Node, ...]) -> Node:
-        if n.op == "load" and any(x.op == "var" and x.arg in ("x0", "y0") for x in walk(args[0])):
+        if n.op == "load" and any(x.op == "var" and x.arg in index_vars for x in walk(args[0])):
             mask = cond if len(args) == 1 else op("and", args[1], cond, dtype=torch.bool)
             return Node("load", (args[0], mask), n.arg, n.dtype)
         return n if args == n.args else Node(n.op, args, n.arg, n.dtype)

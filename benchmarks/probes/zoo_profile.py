@@ -1,0 +1,95 @@
+"""Where a zoo row's GPU time goes: Inductor's kernels next to torchfuse's, by torch.profiler.
+
+    python benchmarks/probes/zoo_profile.py --only resnet18 --mode train [--top 15] [--steps 5]
+
+For each backend (eager, Inductor, torchfuse) the row's step is compiled, warmed up, then profiled
+for --steps steps.  Printed per backend: wall ms per step (back-to-back, host included), GPU ms
+per step (sum of kernel times) and the --top kernels by GPU time per step, with their call
+counts; so a gap shows up as the kernels one compiler spends more on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import torchfuse  # noqa: E402,F401  (registers the backend)
+from zoo import TrainStep, compile_with  # noqa: E402
+from zoo_models import BY_NAME  # noqa: E402
+
+
+def _step(name: str, mode: str, dtype: torch.dtype, backend: str):
+    zm = BY_NAME[name]
+    model, inputs = zm.make("gpu", "cuda", dtype)
+    if mode == "train":
+        model.train()
+        step = TrainStep(model, compile_with(backend, model), zm.loss, inputs)
+        return step
+    compiled = compile_with(backend, model)
+
+    def infer():
+        with torch.no_grad():
+            return compiled(*inputs)
+    return infer
+
+
+def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, top: int) -> str:
+    torch._dynamo.reset()
+    fn = _step(name, mode, dtype, backend)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / steps * 1e3
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(evt.name, [0.0, 0])
+            k[0] += evt.device_time / 1e3 / steps
+            k[1] += 1 / steps
+    gpu = sum(v[0] for v in kernels.values())
+    lines = [f"## {name} {mode} {dtype} {backend}: wall {wall:.2f} ms/step, GPU {gpu:.2f} ms/step, "
+             f"{sum(v[1] for v in kernels.values()):.0f} kernels/step"]
+    for kname, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {ms:8.3f} ms  {calls:5.0f}x  {kname[:110]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", required=True, help="comma-separated zoo model names")
+    ap.add_argument("--mode", choices=("train", "infer"), default="train")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--backends", default="eager,inductor,torchfuse")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--out", help="append the report to this file")
+    args = ap.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    for name in args.only.split(","):
+        for backend in args.backends.split(","):
+            try:
+                text = profile(name, args.mode, dtype, backend, args.steps, args.top)
+            except Exception as e:  # one failing backend must not lose the others' profiles
+                text = f"## {name} {args.mode} {backend}: failed: {type(e).__name__}: {str(e)[:300]}"
+            print(text, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Hoisting parameter-only computations out of inference calls (passes/hoist_static.py) and
+keeping them between calls (runtime/static_values.py): recomputed when a parameter changes,
+never with freezing=True."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchfuse
+
+
+def _conv_bn_relu() -> nn.Module:
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, nn.BatchNorm2d):
+                mod.running_mean.uniform_(-1, 1)
+                mod.running_var.uniform_(0.5, 2)
+                mod.weight.uniform_(0.5, 1.5)
+                mod.bias.uniform_(-1, 1)
+    return m
+
+
+@pytest.fixture
+def model_and_input():
+    torch.manual_seed(0)
+    return _conv_bn_relu(), torch.randn(2, 3, 11, 13)
+
+
+def test_conv_bn_fold_is_hoisted(model_and_input):
+    m, x = model_and_input
+    with torch.no_grad():
+        e = torchfuse.explain(m, x)
+        torch.testing.assert_close(e.output, m(x), rtol=1e-4, atol=1e-4)
+    # the folded weights and biases of both convolutions: computed outside the call
+    assert len(e.frozen) == 1 and "4 value(s)" in e.frozen[0], e.frozen
+    assert "hoisted parameter computations" in str(e)
+    # per call only the two ReLU kernels run (the batch norms are folded into the convolutions)
+    assert len(e.kernels) == 2, str(e)
+
+
+@pytest.mark.parametrize("change", ["mul_", "copy_", "data", "load_state_dict"])
+def test_parameter_change_is_picked_up(model_and_input, change):
+    m, x = model_and_input
+    compiled = torch.compile(m, backend="torchfuse")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+        bn = m[1]
+        if change == "mul_":
+            bn.weight.mul_(2)
+        elif change == "copy_":
+            m[0].weight.copy_(torch.randn_like(m[0].weight))
+        elif change == "data":
+            bn.running_var.data = torch.rand_like(bn.running_var) + 0.5
+        else:
+            other = _conv_bn_relu()
+            m.load_state_dict(other.state_dict())
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_values_are_computed_once_per_parameter_version(model_and_input, monkeypatch):
+    from torchfuse.runtime import static_values
+    m, x = model_and_input
+    calls = []
+    original = static_values.StaticPrologue._compute
+    monkeypatch.setattr(static_values.StaticPrologue, "_compute",
+                        lambda self, *a: (calls.append(1), original(self, *a)))
+    compiled = torch.compile(m, backend="torchfuse")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+        assert len(calls) == 1
+        m[4].bias.add_(1)
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+        compiled(x)
+    assert len(calls) == 2
+
+
+def test_freezing_takes_parameters_as_constants(model_and_input):
+    """Documented behaviour: with freezing=True a parameter changed after the first call is not
+    seen (recompile to pick it up)."""
+    m, x = model_and_input
+    compiled = torchfuse.compile(m, options={"freezing": True})
+    with torch.no_grad():
+        before = m(x)
+        torch.testing.assert_close(compiled(x), before, rtol=1e-4, atol=1e-4)
+        m[1].weight.mul_(3)
+        torch.testing.assert_close(compiled(x), before, rtol=1e-4, atol=1e-4)   # stale, as documented
+        assert not torch.allclose(m(x), before)
+    assert torchfuse.Config.from_options(mode="max-autotune").freezing
+
+
+def test_autocast_weight_casts_and_bias_sums_are_hoisted():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    scale = nn.Parameter(torch.rand(8) + 0.5)
+
+    def fn(x):
+        w = (lin.weight * scale[:, None]).to(torch.bfloat16)   # parameter-only work
+        return torch.relu(x.to(torch.bfloat16) @ w.t() + lin.bias.to(torch.bfloat16))
+
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        e = torchfuse.explain(fn, x)
+        torch.testing.assert_close(e.output, fn(x), rtol=2e-2, atol=2e-2)
+    assert e.frozen and "hoisted" in e.frozen[0], str(e)
+
+
+def test_returned_and_view_values_are_not_hoisted():
+    """A parameter-only value the caller receives must be fresh each call (the caller may
+    modify it); a plain view of a parameter costs nothing and is left in the graph."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(5, 5))
+    m = nn.Module()
+    m.w = w
+
+    def fn(x):
+        return x @ m.w.t(), m.w * 2
+
+    x = torch.randn(3, 5)
+    compiled = torch.compile(fn, backend="torchfuse")
+    with torch.no_grad():
+        a1, b1 = compiled(x)
+        b1.add_(100)
+        a2, b2 = compiled(x)
+        torch.testing.assert_close(b2, w * 2)
+        torch.testing.assert_close(a2, x @ w.t())
+        e = torchfuse.explain(fn, x)
+    assert not e.frozen, e.frozen
+
+
+def test_training_graphs_are_not_hoisted(model_and_input):
+    m, x = model_and_input
+    m = copy.deepcopy(m).train()
+    e = torchfuse.explain(lambda x: m(x).sum(), x.requires_grad_())
+    assert e.kernels and not e.frozen
