@@ -45,7 +45,12 @@ class TorchfuseBackend:
         partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
         aot = aot_autograd(fw_compiler=backend._compiler("forward"), bw_compiler=backend._compiler("backward"),
                            inference_compiler=backend._compiler("inference"),
-                           decompositions=decomposition_table(), partition_fn=partition)
+                           decompositions=decomposition_table(), partition_fn=partition,
+                           # input mutations stay in the graph as copy_ (inference graphs, and
+                           # in training the ones autograd cannot see: batch norm's running
+                           # statistics), so the kernel computing the new value writes the input
+                           # itself (runtime/wrapper.py) instead of AOTAutograd copying each after
+                           keep_inference_input_mutations=True)
         with counters.timed("backend"):      # AOTAutograd + every compile_graph it calls
             return aot(gm, example_inputs)
 

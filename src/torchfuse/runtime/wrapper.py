@@ -45,7 +45,7 @@ class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
                  stored: set[str], kernel_calls: dict[str, str] | None = None):
         self.program = program
-        self.items = items
+        self.items = _input_copies_last(items)
         self.kernel_args = kernel_args
         self.kernel_calls = kernel_calls or {}
         self.stored = stored
@@ -111,6 +111,9 @@ class WrapperBuilder:
                          f"in{i} = _restride(in{i}, {_tuple(sizes)}, {_tuple(strides)})")
         last_use = self._last_uses()
         reusable = self._reusable()
+        into_input, skipped_copies = self._mutations_in_place(last_use)
+        for buf, inp in sorted(into_input.items()):
+            L.append(f"    _mutated_{inp} = {inp}   # written in place by the kernel storing {buf}")
         for pos, item in enumerate(self.items):
             if isinstance(item, Kernel):
                 bufs, syms = self.kernel_args[item.name]
@@ -118,7 +121,9 @@ class WrapperBuilder:
                     L.append(f"    {sym_name} = {expr}")
                 donor = self._in_place_donor(item, pos, last_use, reusable)
                 for m in item.members:
-                    if m.buffer.name in self.stored:
+                    if m.buffer.name in into_input:
+                        L.append(f"    {m.buffer.name} = {into_input[m.buffer.name]}   # the input it updates")
+                    elif m.buffer.name in self.stored:
                         if donor is not None and m.buffer.name == donor[0]:
                             L.append(f"    {m.buffer.name} = {donor[1]}   # in place: {donor[1]} dies here")
                             reusable.add(m.buffer.name)
@@ -133,6 +138,13 @@ class WrapperBuilder:
                     L.append(f"    {item.name}({', '.join(call_args)})")
             elif isinstance(item, AliasView):
                 L.append(f"    {item.name} = {self.view(item.base, item.layout)}")
+            elif isinstance(item, FallbackCall) and id(item) in skipped_copies:
+                inp = item.args[0].buffer
+                # the kernel wrote the input itself, unless the input was restrided to a copy
+                L.append(f"    if _mutated_{inp} is not {inp}: _mutated_{inp}.copy_({inp})")
+                for o in item.outputs:
+                    if o is not None:
+                        L.append(f"    {o} = _mutated_{inp}")
             elif isinstance(item, FallbackCall):
                 self._fallback(item)
             dead = [b for b, last in last_use.items() if last == pos and b not in self._outputs()]
@@ -184,6 +196,57 @@ class WrapperBuilder:
                  for o in item.outputs if o is not None and o in self.program.buffer_meta}
         return fresh - self._shared
 
+    def _mutations_in_place(self, last_use: dict[str, int]) -> tuple[dict[str, str], set[int]]:
+        """Input mutations (AOTAutograd's `copy_(input, new_value)`, e.g. batch norm's running
+        statistics) written by the kernel that computes the new value, straight into the input:
+        {buffer: input} and the copies that become no-ops.  Only when the input is read by
+        nothing after that kernel, has no views, and the kernel reads it only in the member that
+        stores the new value, at the element it stores (read before written, as in place)."""
+        kernel_of: dict[str, tuple[int, Kernel]] = {}
+        readers: dict[str, list[int]] = {}
+        for pos, item in enumerate(self.items):
+            if isinstance(item, Kernel):
+                for m in item.members:
+                    kernel_of[m.buffer.name] = (pos, item)
+                for b in self.kernel_args[item.name][0]:
+                    readers.setdefault(b, []).append(pos)
+            else:
+                refs: list[str] = []
+                if isinstance(item, AliasView):
+                    refs = [item.base]
+                elif isinstance(item, FallbackCall):
+                    _buffer_refs((item.args, list(item.kwargs.values())), refs)
+                for b in refs:
+                    readers.setdefault(b, []).append(pos)
+        into: dict[str, str] = {}
+        skipped: set[int] = set()
+        for cpos, item in enumerate(self.items):
+            if not (isinstance(item, FallbackCall) and item.target is torch.ops.aten.copy_.default
+                    and len(item.args) == 2 and not item.kwargs):
+                continue
+            dst, src = item.args
+            if not (isinstance(dst, BufferRef) and isinstance(src, BufferRef) and dst.layout is None
+                    and src.layout is None and dst.buffer.startswith("in") and src.buffer in kernel_of):
+                continue
+            inp, buf = dst.buffer, src.buffer
+            kpos, kernel = kernel_of[buf]
+            if (buf not in self.stored or buf in self._outputs() or buf in into or inp in into.values()
+                    or last_use.get(buf) != cpos or not set(readers.get(buf, ())) <= {kpos, cpos}
+                    or any(r > kpos and r != cpos for r in readers.get(inp, ()))
+                    or any(isinstance(it, AliasView) and it.base == inp for it in self.items)
+                    or self.program.buffer_meta[buf][:3] != self.program.buffer_meta[inp][:3]):
+                continue
+            target = next(m for m in kernel.members if m.buffer.name == buf)
+            ok = True
+            for m in kernel.members:
+                for ld in _ir_loads(m.body):
+                    if ld.arg == inp and (m is not target or ld.args[0] != target.store):
+                        ok = False
+            if ok:
+                into[buf] = inp
+                skipped.add(id(item))
+        return into, skipped
+
     def _in_place_donor(self, kernel: Kernel, pos: int, last_use: dict[str, int],
                         reusable: set[str]) -> tuple[str, str] | None:
         """(buffer, donor): the kernel's last stored buffer may take the storage of a buffer
@@ -203,8 +266,11 @@ class WrapperBuilder:
         for m in kernel.members:
             for ld in _ir_loads(m.body):
                 reads.setdefault(ld.arg, set()).add(ld.args[0])
+        # the stored value must depend on the donor's element (a load in its own body), so no
+        # compiler may move the store ahead of the donor's load (C++ pointers are __restrict__)
+        own = {ld.arg for ld in _ir_loads(target.body)}
         for name, indices in reads.items():
-            if (name in reusable and name not in self._shared and last_use.get(name) == pos
+            if (name in own and name in reusable and name not in self._shared and last_use.get(name) == pos
                     and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
                 return target.buffer.name, name
         return None
@@ -277,6 +343,31 @@ class WrapperBuilder:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
         return {b: p for b, p in last.items() if not b.startswith("in")}
+
+
+def _input_copies_last(items: list) -> list:
+    """AOTAutograd's kept input mutations (`copy_(input, new value)`) moved after every other
+    step.  In the functional graph every read of an input means its value on entry, but kernels
+    inline cheap values by re-reading their inputs (x + x, read again by a later kernel), so an
+    input must not change before its last reader ran.  Copies whose result a step reads stay
+    (one the graph returns moves: it is read at the return)."""
+    read: set[str] = set()
+    for item in items:
+        refs: list[str] = []
+        if isinstance(item, FallbackCall):
+            _buffer_refs((item.args, list(item.kwargs.values())), refs)
+        elif isinstance(item, AliasView):
+            refs = [item.base]
+        elif isinstance(item, Kernel):
+            refs = [ld.arg for m in item.members for ld in _ir_loads(m.body)]
+        read |= set(refs)
+
+    def is_input_copy(item: Any) -> bool:
+        return (isinstance(item, FallbackCall) and item.target is torch.ops.aten.copy_.default
+                and isinstance(item.args[0], BufferRef) and item.args[0].buffer.startswith("in")
+                and not any(o is not None and o in read for o in item.outputs))
+    copies = [item for item in items if is_input_copy(item)]
+    return [item for item in items if not is_input_copy(item)] + copies if copies else list(items)
 
 
 def _buffer_refs(a: Any, out: list[str]) -> None:

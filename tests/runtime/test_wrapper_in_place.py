@@ -1,0 +1,87 @@
+"""The generated wrapper's in-place decisions (runtime/wrapper.py): a pointwise kernel writes into
+a buffer that dies at it, and the kernel computing an input's new value (batch norm's running
+statistics) writes the input itself instead of a copy_ after the graph.  Both backends, compared
+with eager; the wrapper source is read from the debug folder to see what was decided."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torchfuse
+from torchfuse import counters
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+BACKENDS = {"cpp": {}, "triton": {"cpu_backend": "triton"}}
+
+
+def _wrappers(tmp_path) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp_path.rglob("*wrapper.py")))
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_training_batch_norm_updates_running_stats_in_place(tmp_path, backend, channels_last):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    eager = _cnn().train()
+    model = copy.deepcopy(eager)
+    x = torch.randn(4, 3, 9, 7) * 2 + 1
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    torch._dynamo.reset()
+    compiled = torchfuse.compile(model, options={**BACKENDS[backend], "debug": True, "debug_dir": tmp_path})
+    for _ in range(2):
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager(xe).square().mean().backward()
+        compiled(xc).square().mean().backward()
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-4, atol=1e-5)
+    for (name, b), (_, be) in zip(model.named_buffers(), eager.named_buffers()):
+        torch.testing.assert_close(b, be, rtol=1e-5, atol=1e-6, msg=name)
+    src = _wrappers(tmp_path)
+    # running_mean, running_var and num_batches_tracked of both batch norms
+    assert src.count("# the input it updates") == 6, src
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_pointwise_output_reuses_a_dying_buffer(tmp_path, backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    w = torch.randn(8, 8)
+
+    def fn(x, y):
+        h = x @ w                 # an ATen result that dies at the next kernel
+        return torch.relu(h * 2 + 1) @ w, (y.sin() + 1)   # an input dying there is never written
+
+    x, y = torch.randn(5, 8), torch.randn(7)
+    before = y.clone()
+    reused = counters["buffers_reused_in_place"]
+    e = torchfuse.explain(fn, x, y, options={**BACKENDS[backend], "debug": True, "debug_dir": tmp_path})
+    torch.testing.assert_close(e.output[0], fn(x, y)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(e.output[1], before.sin() + 1)
+    assert torch.equal(y, before)
+    assert counters["buffers_reused_in_place"] > reused
+    assert "# in place:" in _wrappers(tmp_path)
+
+
+def test_no_reuse_of_a_buffer_with_live_views(tmp_path):
+    """h dies at the kernel computing r, but a view of h is returned: h must not be written."""
+    w = torch.randn(6, 6)
+
+    def fn(x):
+        h = x @ w
+        return h.t(), torch.relu(h) * 3
+
+    x = torch.randn(6, 6)
+    e = torchfuse.explain(fn, x, options={"debug": True, "debug_dir": tmp_path})
+    torch.testing.assert_close(e.output[0], (x @ w).t())
+    torch.testing.assert_close(e.output[1], torch.relu(x @ w) * 3)
