@@ -1,0 +1,560 @@
+"""Model zoo benchmark: eager vs Inductor vs torchfuse on every zoo model (zoo_models.py), the
+yardstick for every change.
+
+    python benchmarks/zoo.py                                  # all rows; CUDA if there is one
+    python benchmarks/zoo.py --device cpu --only resnet18,bert --budget 2
+    python benchmarks/zoo.py --family decoder --train --shard 2/4 --json shard2.json
+    python benchmarks/zoo.py --list
+
+A row is one model in one mode: inference in fp32, inference in bf16 (bf16 weights and inputs),
+or one fp32 training step (forward, loss, backward through the compiled model, then an eager
+`SGD(momentum=0.9, foreach=True)` step).  Per row and backend (eager, Inductor = `torch.compile(m)`,
+torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each compile):
+
+  * cold compile: the first call (Dynamo, AOTAutograd, the compiler; for training the whole first
+    step, backward graph included), with the Inductor, Triton and torchfuse caches in fresh temp
+    folders for this process;
+  * accuracy, judged like Inductor's benchmark harness (see Judge).  fp32: relative error (L2
+    norm of the difference over the norm of eager's) of the output, or of the loss and every
+    parameter gradient of the first training step (all backends start from the same weights:
+    each trains its own deep copy), within 1e-4 (inference) or 1e-3 (training); failing that,
+    as for bf16 rows: an fp64 copy of the model gives the reference, and a compiler passes if
+    RMSE(compiled, fp64) <= 2 * RMSE(eager, fp64) + 1e-4 for every tensor compared;
+  * time per call: on CUDA, CUDA events around back-to-back calls, median of the samples
+    (gpu_bench.bench), one backend after the other, TF32 off; on CPU, the three interleaved in
+    blocks within --budget seconds (cpu_bench's _time_interleaved, through _time_quietly: --wait
+    waits for other processes to go quiet), so that load from other processes hits all three
+    alike, and the table notes how many cores other processes used meanwhile;
+  * peak CUDA memory above what was allocated before the backend ran (inference: activations
+    and workspace; training: also the model copy, its gradients and momentum);
+  * torchfuse's kernels generated and ATen fallback ops in the row's graphs (torchfuse.counters).
+
+A backend that fails is reported with a short reason and the row carries on.  The markdown table
+is printed as rows complete, then a summary; --out saves both, --json every number (shards merge
+by concatenating their "rows").
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Fresh compile caches, set before torch, Triton or torchfuse are imported (as gpu_bench does).
+_CACHE_ROOT = tempfile.mkdtemp(prefix="tf-zoo-")
+_CACHE_DIRS = {var: os.path.join(_CACHE_ROOT, sub) for var, sub in
+               (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
+                ("TORCHFUSE_CACHE_DIR", "torchfuse"))}
+os.environ.update(_CACHE_DIRS)
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+import torchfuse  # noqa: E402
+from cpu_bench import _short, _time_interleaved, _time_quietly, machine_line  # noqa: E402
+from gpu_bench import bench as cuda_bench  # noqa: E402
+from zoo_models import FAMILIES, MODELS, SIZES, ZooModel  # noqa: E402
+
+# Importing the two benchmarks above points the cache variables at their own fresh folders;
+# point them back at ours (nothing has compiled yet, so every cache is still cold).
+os.environ.update(_CACHE_DIRS)
+
+BACKENDS = ("eager", "inductor", "torchfuse")
+COMPILERS = BACKENDS[1:]
+FP32_TOL = {"infer": 1e-4, "train": 1e-3}   # relative error vs eager, fp32 rows
+GRAD_FLOOR = 1e-2   # see grads_error
+COUNTER_KEYS = ("graphs_compiled", "kernels_generated", "fallback_ops", "eager_fallbacks")
+
+
+# ----------------------------------------------------------------------------------------------
+# results
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    """One backend in one row."""
+    ms: float | None = None
+    compile_s: float | None = None      # first call, Dynamo included
+    peak_mib: float | None = None
+    err: float | None = None            # fp32: relative error vs eager; bf16: RMSE vs fp64
+    ok: bool | None = None
+    error: str | None = None            # why the backend failed
+
+
+@dataclass
+class Row:
+    model: str
+    family: str
+    mode: str            # "infer" | "train"
+    dtype: str           # "fp32" | "bf16"
+    size: str
+    device: str
+    results: dict[str, Result] = field(default_factory=lambda: {b: Result() for b in BACKENDS})
+    tf_counters: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.mode}-{self.dtype}"
+
+    def ratio(self, num: str, den: str = "torchfuse", key: str = "ms") -> float | None:
+        a, b = getattr(self.results[num], key), getattr(self.results[den], key)
+        return a / b if a and b else None
+
+
+# ----------------------------------------------------------------------------------------------
+# accuracy
+# ----------------------------------------------------------------------------------------------
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    diff = (actual.double() - expected.double()).norm().item()
+    scale = expected.double().norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def rmse(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    ref = reference.to(actual.device, torch.float64)
+    return (actual.double() - ref).pow(2).mean().sqrt().item()
+
+
+def _nan_last(value: float) -> float:
+    """Sort key: NaN above everything (a NaN error is the worst error)."""
+    return math.inf if math.isnan(value) else value
+
+
+def grads_error(grads: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
+    """Largest relative error over the parameter gradients.  A gradient far smaller than its
+    parameter's share of the overall gradient (an attention key bias: zero in exact arithmetic,
+    rounding noise in practice) is judged against GRAD_FLOOR times that share instead of its own
+    norm, which would turn noise against noise into an O(1) error."""
+    total = math.sqrt(sum(r.double().norm().item() ** 2 for r in ref))
+    count = sum(r.numel() for r in ref)
+    errors = [(g.double() - r.double()).norm().item()
+              / max(r.double().norm().item(), GRAD_FLOOR * total * math.sqrt(r.numel() / count), 1e-30)
+              for g, r in zip(grads, ref)]
+    return max(errors, key=_nan_last, default=0.0)
+
+
+def fp64_reference(model: nn.Module, inputs: tuple, device: str, loss: Callable | None) -> list[torch.Tensor]:
+    """A float64 copy of the model on the same (upcast) inputs: [output], or with `loss` (training
+    rows) [loss, *parameter gradients].  On the CPU if the device runs out of memory."""
+    def run(where: str) -> list[torch.Tensor]:
+        m64 = copy.deepcopy(model).to(where, torch.float64)
+        args = tuple(x.to(where, torch.float64) if x.is_floating_point() else x.to(where) for x in inputs)
+        if loss is None:
+            with torch.no_grad():
+                return [m64(*args)]
+        value = loss(m64(*args), args)
+        value.backward()
+        params = [p for p in m64.parameters() if p.requires_grad]
+        return [value.detach()] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    try:
+        return run(device)
+    except torch.cuda.OutOfMemoryError:
+        print("  the fp64 reference does not fit on the device: running it on the CPU", flush=True)
+    free_memory()
+    return run("cpu")
+
+
+class Judge:
+    """Accuracy of each backend's first call in one row (its output, or the loss and gradients of
+    its first training step), judged like Inductor's benchmark harness.
+
+    fp32 rows: the relative error vs eager (for training the largest of the loss's and each
+    gradient's, see grads_error) must be within FP32_TOL; if it is not, the row falls back, as
+    Inductor's `same()` does, to a float64 run: every tensor must then be within
+    2 * eager's RMSE vs fp64 + 1e-4 (some values are ill-conditioned in fp32: a BatchNorm bias
+    gradient sums thousands of terms of both signs, and eager itself is ~1e-3 off fp64 there).
+    bf16 rows: always the fp64 test; the error shown is the RMSE vs fp64."""
+
+    def __init__(self, row: Row, model: nn.Module, inputs: tuple, loss: Callable, names: list[str]):
+        self.row, self.model, self.inputs, self.loss, self.names = row, model, inputs, loss, names
+        self.eager: list[torch.Tensor] | None = None
+        self._fp64: list[torch.Tensor] | None = None
+
+    def fp64(self) -> list[torch.Tensor]:
+        if self._fp64 is None:
+            self._fp64 = fp64_reference(self.model, self.inputs, self.row.device,
+                                        self.loss if self.row.mode == "train" else None)
+        return self._fp64
+
+    def fp64_test(self, tensors: list[torch.Tensor]) -> tuple[bool, str]:
+        """(passes, the worst tensor's errors) of the test against the fp64 run."""
+        assert self.eager is not None
+        labels = ["output"] if self.row.mode == "infer" else ["loss"] + self.names
+        checks = []   # (error / bound, what)
+        for label, t, e, r in zip(labels, tensors, self.eager, self.fp64()):
+            err, eager_err = rmse(t, r), rmse(e, r)
+            checks.append((err / (2.0 * eager_err + 1e-4), f"{label}: RMSE vs fp64 {err:.1e}, eager's {eager_err:.1e}"))
+        ratio, what = max(checks, key=lambda c: _nan_last(c[0]))
+        return ratio <= 1, what
+
+    def __call__(self, backend: str, out: Any) -> None:
+        tensors = [out] if self.row.mode == "infer" else [out[0]] + out[1]
+        res = self.row.results[backend]
+        if backend == "eager":
+            self.eager = tensors
+            if self.row.dtype == "bf16":
+                res.err, res.ok = rmse(out, self.fp64()[0]), True
+            return
+        if self.eager is None:
+            return   # eager failed: nothing to judge by
+        if self.row.dtype == "bf16":
+            res.err = rmse(out, self.fp64()[0])
+            res.ok = self.fp64_test(tensors)[0]
+        else:
+            if self.row.mode == "train":
+                res.err = max(rel_error(tensors[0], self.eager[0]), grads_error(tensors[1:], self.eager[1:]),
+                              key=_nan_last)
+            else:
+                res.err = rel_error(out, self.eager[0])
+            res.ok = res.err <= FP32_TOL[self.row.mode]
+            if not res.ok:
+                res.ok, what = self.fp64_test(tensors)
+                self.row.notes.append(f"{backend}: {res.err:.1e} off eager, {'within' if res.ok else 'OUTSIDE'} "
+                                      f"2x eager's error vs fp64 (worst {what})")
+        if not res.ok:
+            print(f"  !! {backend} ACCURACY FAILURE on {self.row.name}: error {res.err:.2e}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# running one row
+# ----------------------------------------------------------------------------------------------
+def compile_with(backend: str, model: nn.Module) -> Callable:
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model)
+    return torch.compile(model, backend="torchfuse")
+
+
+class TrainStep:
+    """forward (compiled or not), loss, backward, then an eager SGD step with momentum."""
+
+    def __init__(self, model: nn.Module, forward: Callable, loss: Callable, inputs: tuple):
+        self.forward, self.loss, self.inputs = forward, loss, inputs
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.SGD(self.params, lr=1e-3, momentum=0.9, foreach=True)
+
+    def __call__(self) -> torch.Tensor:
+        loss = self._backward()
+        self.opt.step()
+        return loss
+
+    def first(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One step; returns the loss and copies of the gradients it stepped with."""
+        loss = self._backward()
+        grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.opt.step()
+        return loss, grads
+
+    def _backward(self) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss(self.forward(*self.inputs), self.inputs)
+        loss.backward()
+        return loss.detach()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cuda_memory(device: str) -> tuple[int, int]:
+    """(peak, current) bytes allocated on the CUDA device; zeros on the CPU."""
+    if device != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget: float, wait: float,
+            backends: tuple[str, ...], verbose: bool) -> Row:
+    """One row.  Each backend is compiled afresh (Dynamo reset first) and called once: cold compile
+    time and accuracy.  On CUDA it is then timed and dropped; on CPU all are kept and timed together
+    at the end (Inductor then recompiles once, from its warm caches, in the timing's warm-up: the
+    reset before torchfuse's compile dropped its Dynamo cache entry)."""
+    row = Row(zm.name, zm.family, mode, dtype, size, device)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    train = mode == "train"
+    model, inputs = zm.make(size, device, torch_dtype)
+    if train:
+        model.train()
+    judge = Judge(row, model, inputs, zm.loss, [n for n, p in model.named_parameters() if p.requires_grad])
+    if dtype == "bf16":
+        judge.fp64()   # now, so that it is not counted in eager's peak memory
+    timed: dict[str, Callable] = {}
+    with torch.set_grad_enabled(train):
+        for backend in backends:
+            res = row.results[backend]
+            torch._dynamo.reset()
+            free_memory()
+            base = cuda_memory(device)[1]
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            before = dict(torchfuse.counters)
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    if train:
+                        m = copy.deepcopy(model)
+                        fn: Callable = TrainStep(m, compile_with(backend, m), zm.loss, inputs)
+                        first: Callable = fn.first
+                    else:
+                        fwd = compile_with(backend, model)
+                        fn = first = lambda fwd=fwd, inputs=inputs: fwd(*inputs)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    out = first()
+                    _sync(device)
+                    res.compile_s = time.perf_counter() - t0
+                if backend == "torchfuse":
+                    row.tf_counters = {k: torchfuse.counters[k] - before.get(k, 0) for k in COUNTER_KEYS}
+                    if row.tf_counters["eager_fallbacks"]:
+                        row.notes.append(f"{row.tf_counters['eager_fallbacks']} torchfuse graph(s) ran EAGERLY")
+                    for w in caught:
+                        if "torchfuse" in str(w.message):
+                            print(f"  warning: {str(w.message).splitlines()[0][:300]}", flush=True)
+                peak, held = cuda_memory(device)
+                judge(backend, out)
+                judged = cuda_memory(device)[1] - held   # an fp64 reference: not this backend's memory
+                del out
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    res.ms = cuda_bench(fn, reps=10, inner=3)
+                    res.peak_mib = (max(peak, cuda_memory(device)[0] - judged) - base) / 2 ** 20
+                else:
+                    timed[backend] = fn
+            except Exception as e:   # keep the row going; report the failure
+                res.error = _short(e)
+                print(f"  !! {backend} failed on {row.name}: {res.error}", flush=True)
+                if verbose:
+                    traceback.print_exc()
+            fn = first = fwd = m = None   # this backend's model copy and code go (CPU: kept in `timed`)
+        if timed:
+            time_on_cpu(row, timed, budget, wait, verbose)
+    del model, inputs, judge, timed
+    torch._dynamo.reset()
+    free_memory()
+    return row
+
+
+def time_on_cpu(row: Row, fns: dict[str, Callable], budget: float, wait: float, verbose: bool) -> None:
+    """Interleaved medians (waiting up to `wait` s for other processes to go quiet, and retrying a
+    timing they disturbed, as cpu_bench does); if a backend throws while timing, time the others alone."""
+    try:
+        times, load = _time_quietly(fns, (), budget, wait, 3 if wait > 0 else 1)
+        if load is not None and load >= 0.15:
+            row.notes.append(f"other processes used {load:.2f} cores while timing")
+    except Exception:
+        times = {}
+        for name, fn in fns.items():
+            try:
+                times.update(_time_interleaved({name: fn}, (), budget / len(fns)))
+            except Exception as e:
+                row.results[name].error = f"while timing: {_short(e)}"
+                print(f"  !! {name} failed while timing {row.name}: {_short(e)}", flush=True)
+                if verbose:
+                    traceback.print_exc()
+    for name, seconds in times.items():
+        row.results[name].ms = seconds * 1e3
+
+
+# ----------------------------------------------------------------------------------------------
+# reporting
+# ----------------------------------------------------------------------------------------------
+HEAD = ("| model | mode | eager ms | inductor ms | torchfuse ms | ind/tf | eager/tf | acc inductor | acc torchfuse "
+        "| compile s ind / tf | peak MiB eager / ind / tf | tf kernels | tf fallbacks | notes |")
+
+
+def _num(v: float | None, fmt: str = ".2f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def _acc(r: Result) -> str:
+    if r.error:
+        return "error"
+    if r.ok is None:
+        return "-"
+    return f"{'ok' if r.ok else 'FAIL'} {r.err:.1e}"
+
+
+def table_line(row: Row) -> str:
+    r = row.results
+    notes = list(row.notes)
+    if row.dtype == "bf16" and r["eager"].err is not None:
+        notes.insert(0, f"eager RMSE vs fp64 {r['eager'].err:.1e}")
+    if row.tf_counters.get("graphs_compiled", 0) > (2 if row.mode == "train" else 1):
+        notes.append(f"{row.tf_counters['graphs_compiled']} torchfuse graphs")
+    notes += [f"{b}: {r[b].error}" for b in BACKENDS if r[b].error]
+    cells = [row.model, f"{row.mode}-{row.dtype}", _ms(r["eager"].ms), _ms(r["inductor"].ms), _ms(r["torchfuse"].ms),
+             _num(row.ratio("inductor")), _num(row.ratio("eager")), _acc(r["inductor"]), _acc(r["torchfuse"]),
+             f"{_num(r['inductor'].compile_s, '.1f')} / {_num(r['torchfuse'].compile_s, '.1f')}",
+             " / ".join(_num(r[b].peak_mib, ".0f") for b in BACKENDS),
+             str(row.tf_counters.get("kernels_generated", "-")), str(row.tf_counters.get("fallback_ops", "-")),
+             "; ".join(notes).replace("|", "/")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    return "\n".join([HEAD, "|" + "---|" * HEAD.count(" | ") + "---|"] + [table_line(r) for r in rows])
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def summary(rows: list[Row]) -> str:
+    vs_ind = [(r.ratio("inductor"), r.name) for r in rows if r.ratio("inductor")]
+    vs_eager = [(r.ratio("eager"), r.name) for r in rows if r.ratio("eager")]
+    compile_ratio = [r.ratio("torchfuse", "inductor", "compile_s") for r in rows
+                     if r.ratio("torchfuse", "inductor", "compile_s")]
+    failures = [f"{r.name} ({b} {r.results[b].err:.1e})" for r in rows for b in COMPILERS if r.results[b].ok is False]
+    errors = [f"{r.name} ({b}: {r.results[b].error})" for r in rows for b in BACKENDS if r.results[b].error]
+    eager_runs = [f"{r.name} ({r.tf_counters['eager_fallbacks']})" for r in rows if r.tf_counters.get("eager_fallbacks")]
+    worst = min(vs_ind, default=None)
+
+    def listing(items: list[str]) -> str:
+        return ", ".join(items) if items else "none"
+
+    lines = [
+        "## Summary",
+        f"- rows: {len(rows)}",
+        f"- geomean speed-up of torchfuse over Inductor (inductor ms / torchfuse ms, > 1: torchfuse faster): "
+        f"{_num(geomean([v for v, _ in vs_ind]), '.3f')} over {len(vs_ind)} rows",
+        f"- geomean speed-up of torchfuse over eager: {_num(geomean([v for v, _ in vs_eager]), '.3f')} "
+        f"over {len(vs_eager)} rows",
+        f"- worst row vs Inductor: {f'{worst[0]:.2f}x {worst[1]}' if worst else '-'}",
+        f"- torchfuse slower than eager: {listing([f'{n} ({v:.2f}x)' for v, n in vs_eager if v < 1])}",
+        f"- torchfuse below 0.9x Inductor: {listing([f'{n} ({v:.2f}x)' for v, n in vs_ind if v < 0.9])}",
+        f"- accuracy failures: {listing(failures)}",
+        f"- backend errors: {listing(errors)}",
+        f"- torchfuse graphs that ran eagerly: {listing(eager_runs)}",
+        f"- geomean cold-compile ratio torchfuse / Inductor (< 1: torchfuse compiles faster): "
+        f"{_num(geomean(compile_ratio), '.3f')} over {len(compile_ratio)} rows",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# selection and main
+# ----------------------------------------------------------------------------------------------
+def select_rows(only: str | None, families: str | None, modes: tuple[str, ...], dtype: str,
+                shard: str | None) -> list[tuple[ZooModel, str, str]]:
+    """(model, mode, dtype) rows in zoo order, filtered, then every N-th from the K-th for --shard K/N."""
+    models = MODELS
+    if only:
+        wanted = [s.strip() for s in only.split(",") if s.strip()]
+        unknown = sorted(set(wanted) - {m.name for m in MODELS})
+        if unknown:
+            raise SystemExit(f"unknown model(s) {unknown}; see --list")
+        models = [m for m in models if m.name in wanted]
+    if families:
+        wanted_f = {s.strip() for s in families.split(",") if s.strip()}
+        if wanted_f - set(FAMILIES):
+            raise SystemExit(f"unknown famil(ies) {sorted(wanted_f - set(FAMILIES))}; known: {', '.join(FAMILIES)}")
+        models = [m for m in models if m.family in wanted_f]
+    kinds = [("infer", "fp32"), ("infer", "bf16"), ("train", "fp32")]
+    rows = [(m, mode, dt) for m in models for mode, dt in kinds
+            if mode in modes and dtype in (dt, "all") and (mode == "infer" or m.trainable)]
+    if shard:
+        k, n = (int(v) for v in shard.split("/"))
+        if not 1 <= k <= n:
+            raise SystemExit("--shard K/N needs 1 <= K <= N")
+        rows = rows[k - 1::n]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", help="comma-separated model names")
+    p.add_argument("--family", help="comma-separated families: " + ",".join(FAMILIES))
+    p.add_argument("--shard", help="K/N: run the K-th of N deterministic slices of the selected rows (1 <= K <= N)")
+    p.add_argument("--train", action="store_true", help="training rows only (default: training and inference)")
+    p.add_argument("--infer", action="store_true", help="inference rows only (default: training and inference)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "all"), default="all",
+                   help="fp32: inference and training rows; bf16: inference rows (training is fp32 only)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", choices=SIZES, help='model sizes (default: "gpu" on cuda, "cpu" on cpu)')
+    p.add_argument("--budget", type=float, default=3.0, help="seconds of interleaved timing per row on CPU")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="CPU: before timing a row, wait up to this many seconds for other processes to go quiet "
+                        "and retry a disturbed timing (cpu_bench's --wait); the table notes their load either way")
+    p.add_argument("--out", help="write the markdown table and summary to this file")
+    p.add_argument("--json", help="write every number to this file")
+    p.add_argument("--no-inductor", action="store_true", help="skip Inductor")
+    p.add_argument("--list", action="store_true", help="print the selected rows and exit")
+    p.add_argument("--verbose", action="store_true", help="print tracebacks of backend failures")
+    a = p.parse_args(argv)
+    size = a.size or ("gpu" if a.device == "cuda" else "cpu")
+    modes = ("train",) if a.train and not a.infer else ("infer",) if a.infer and not a.train else ("infer", "train")
+    selected = select_rows(a.only, a.family, modes, a.dtype, a.shard)
+    if a.list:
+        for zm, mode, dt in selected:
+            print(f"{zm.name:18s} {zm.family:9s} {mode}-{dt}")
+        print(f"{len(selected)} rows")
+        return 0
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device")
+        # fp32 means fp32, as in Inductor's accuracy runs: cuDNN's TF32 default would let eager and
+        # compiled convolutions pick different TF32 algorithms, ~1e-3 apart (far more in gradients
+        # through train-mode BatchNorm), which would hide real errors under the tolerance.
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+    backends = tuple(b for b in BACKENDS if not (a.no_inductor and b == "inductor"))
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else machine_line()
+    print(f"zoo: {len(selected)} rows, size {size!r} on {device_name}; torch {torch.__version__}")
+    print(f"fresh caches under {_CACHE_ROOT}\n")
+    print(HEAD, flush=True)
+    rows: list[Row] = []
+    t_start = time.perf_counter()
+    for zm, mode, dt in selected:
+        print(f"== {zm.name} {mode}-{dt}", flush=True)
+        try:
+            row = run_row(zm, mode, dt, size, a.device, a.budget, a.wait, backends, a.verbose)
+        except Exception as e:   # building the model or its reference failed
+            row = Row(zm.name, zm.family, mode, dt, size, a.device)
+            row.notes.append(f"setup failed: {_short(e)}")
+            print(f"  !! setup failed: {_short(e)}", flush=True)
+            if a.verbose:
+                traceback.print_exc()
+            free_memory()
+        rows.append(row)
+        print(table_line(row), flush=True)
+    total = time.perf_counter() - t_start
+    report = (f"<!-- python benchmarks/zoo.py {' '.join(sys.argv[1:] if argv is None else argv)} -->\n"
+              f"<!-- {device_name}, torch {torch.__version__}, size {size}, {total:.0f} s -->\n\n"
+              f"{markdown_table(rows)}\n\n{summary(rows)}\n")
+    print("\n" + report)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(report)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__, "size": size, "argv": argv or sys.argv[1:],
+                       "rows": [{**asdict(r), "name": r.name} for r in rows]}, f, indent=1)
+    return 0   # failures are reported in the table, not through the exit status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

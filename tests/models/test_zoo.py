@@ -1,0 +1,95 @@
+"""The model zoo (benchmarks/zoo_models.py) through torchfuse at its "tiny" size: one model per
+family compiled for inference against eager, and a training step (loss, every parameter
+gradient, BatchNorm running statistics) for the CNN families and one transformer.  The benchmark
+itself (benchmarks/zoo.py) runs the same models at realistic sizes; these tests keep every family
+compiling and correct in CI."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+from torchfuse import counters
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+from zoo_models import BY_NAME, FAMILIES  # noqa: E402
+from zoo_transformers import BUILDERS as HF_MODELS  # noqa: E402
+
+# one model per family; the training cases: the CNN families plus one transformer (GQA + rotary)
+INFERENCE = {"resnet": "resnet18", "grouped": "resnext50_32x4d", "concat": "densenet", "mobile": "mobilenet_v3",
+             "regnet": "regnety", "convnext": "convnext", "vit": "vit", "encoder": "bert", "t5": "t5",
+             "decoder": "llama", "rnn": "lstm", "unet": "unet", "mixer": "mlp_mixer"}
+TRAINING = ["resnet18", "resnext50_32x4d", "densenet", "mobilenet_v2", "regnety", "convnext", "unet", "llama"]
+assert set(INFERENCE) == set(FAMILIES)
+
+REL = 1e-4   # tolerance relative to each tensor's largest magnitude
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def make_tiny(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    if name in HF_MODELS:
+        pytest.importorskip("transformers")
+    return BY_NAME[name].make("tiny", "cpu", torch.float32)
+
+
+def assert_close_scaled(actual: torch.Tensor, expected: torch.Tensor, what: str, floor: float = 0.0) -> None:
+    """assert_close with atol = REL * (the expected tensor's largest magnitude, at least `floor`)."""
+    scale = max(expected.abs().max().item(), floor)
+    torch.testing.assert_close(actual, expected, rtol=REL, atol=REL * scale, msg=lambda m: f"{what}: {m}")
+
+
+def compiled_by_torchfuse(before: dict[str, int]) -> None:
+    """The graphs went through torchfuse (kernels generated, none run eagerly after a build failure)."""
+    assert counters["kernels_generated"] > before.get("kernels_generated", 0), "torchfuse generated no kernels"
+    assert counters["eager_fallbacks"] == before.get("eager_fallbacks", 0), "a torchfuse graph ran eagerly"
+
+
+@pytest.mark.parametrize("name", sorted(INFERENCE.values()))
+def test_zoo_inference(name: str) -> None:
+    model, inputs = make_tiny(name)
+    before = dict(counters)
+    with torch.no_grad():
+        expected = model(*inputs)
+        actual = torch.compile(model, backend="torchfuse")(*inputs)
+    compiled_by_torchfuse(before)
+    assert_close_scaled(actual, expected, f"{name} output")
+
+
+@pytest.mark.parametrize("name", TRAINING)
+def test_zoo_training_step(name: str) -> None:
+    zm = BY_NAME[name]
+    ref, inputs = make_tiny(name)
+    ref.train()
+    model = copy.deepcopy(ref)
+    before = dict(counters)
+    loss = zm.loss(torch.compile(model, backend="torchfuse")(*inputs), inputs)
+    loss.backward()
+    compiled_by_torchfuse(before)
+    loss_ref = zm.loss(ref(*inputs), inputs)
+    loss_ref.backward()
+    assert_close_scaled(loss, loss_ref, f"{name} loss")
+
+    ref_params = dict(ref.named_parameters())
+    # Gradients that are zero in exact arithmetic (an attention key bias) are rounding noise:
+    # judge every gradient on at least a thousandth of the largest one's scale.
+    floor = 1e-3 * max(p.grad.abs().max().item() for p in ref_params.values())
+    for pname, p in model.named_parameters():
+        r = ref_params[pname]
+        assert p.grad is not None and r.grad is not None, f"{name}: {pname} got no gradient"
+        assert_close_scaled(p.grad, r.grad, f"{name} grad of {pname}", floor)
+    # Train-mode BatchNorm updates its running statistics: a mutation the compiled graph must keep.
+    # (A running mean that is zero in exact arithmetic, after another norm, is noise too.)
+    ref_buffers = dict(ref.named_buffers())
+    floor = 1e-3 * max((b.abs().max().item() for b in ref_buffers.values() if b.is_floating_point()), default=0.0)
+    for bname, b in model.named_buffers():
+        assert_close_scaled(b.double(), ref_buffers[bname].double(), f"{name} buffer {bname}", floor)
