@@ -93,3 +93,63 @@ def test_zoo_training_step(name: str) -> None:
     floor = 1e-3 * max((b.abs().max().item() for b in ref_buffers.values() if b.is_floating_point()), default=0.0)
     for bname, b in model.named_buffers():
         assert_close_scaled(b.double(), ref_buffers[bname].double(), f"{name} buffer {bname}", floor)
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel counts of the patterns every CNN repeats
+# ----------------------------------------------------------------------------------------------
+def _block(groups: int = 1) -> torch.nn.Module:
+    import zoo_cnn
+    block = zoo_cnn.Bottleneck(16, 4, groups=groups, base_width=64) if groups > 1 else zoo_cnn.BasicBlock(8, 8)
+    with torch.no_grad():
+        for m in block.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return block.eval()
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv_neighbourhood_inference_kernels(groups: int, channels_last: bool) -> None:
+    """Inference: every batch norm folds into its convolution, and what follows a convolution
+    (ReLU; the residual add and ReLU) is one kernel: a basic block is 2 kernels, a grouped
+    bottleneck (conv-bn-relu x2, conv-bn + add + relu) 3."""
+    import torchfuse
+    block = _block(groups)
+    x = torch.randn(2, 16 if groups > 1 else 8, 9, 11)
+    if channels_last:
+        block, x = block.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        e = torchfuse.explain(block, x)
+        assert_close_scaled(e.output, block(x), "block output")
+    assert len(e.kernels) == (3 if groups > 1 else 2), str(e)
+    assert e.frozen, "the folded weights were not hoisted out of the call"
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_batch_norm_training_kernels(channels_last: bool) -> None:
+    """Training: a batch norm is one statistics kernel (mean, variance, running statistics, written
+    into the buffers themselves), one kernel applying it with the ReLU and the scalar
+    num_batches_tracked + 1; the backward is one reduction and one pointwise kernel."""
+    import torchfuse
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    x = torch.randn(4, 3, 10, 10)
+    if channels_last:
+        m, x = m.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(m)
+    xe, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    e = torchfuse.explain(lambda x: m(x), xt)
+    assert [k.kind for k in e.kernels] == ["reduction", "pointwise", "pointwise"], str(e)
+    expected = ref(xe)
+    assert_close_scaled(e.output, expected, "output")
+    g = torch.randn_like(expected)
+    e.output.backward(g)
+    expected.backward(g)
+    assert [k.kind for k in e.kernels[3:]] == ["reduction", "pointwise"], str(e)
+    assert_close_scaled(xt.grad, xe.grad, "input gradient")
+    for (name, b), rb in zip(m.named_buffers(), ref.buffers()):
+        assert_close_scaled(b.double(), rb.double(), name)
