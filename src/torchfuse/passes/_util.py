@@ -207,3 +207,15 @@ def can_forward(node: fx.Node, repl: fx.Node) -> bool:
         return False  # an output would now share memory with an input, constant or other output
     # node's users would now read storage someone writes (or write into repl's storage)
     return not (is_written(moved | alias_tree(root_n)) or is_written(target))
+
+
+def is_foldable(node: fx.Node) -> bool:
+    """Could this node be computed ahead of the call from its inputs' values alone?  A pure op
+    (not random, mutating or an allocation of unspecified contents) without symbolic sizes
+    (constant folding; hoisting parameter-only values out of inference calls)."""
+    from ._meta import has_symbols   # here: _meta imports this module
+    if node.op != "call_function" or is_impure(node) or has_symbols(node.meta.get("val")):
+        return False
+    if node.target is operator.getitem:
+        return True
+    return isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) not in EMPTY_OPS

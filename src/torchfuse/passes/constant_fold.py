@@ -17,16 +17,14 @@ becomes a `get_attr` of a fresh buffer `_tf_const_N`.  What is deliberately left
 """
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from ._meta import fake_mode_of, has_symbols, same_seq
-from ._util import (EMPTY_OPS, alias_input, alias_tree, flat_nodes, is_impure, is_written, op_name,
-                    output_values)
+from ._meta import fake_mode_of, same_seq
+from ._util import alias_input, alias_tree, flat_nodes, is_foldable, is_written, output_values
 from .context import PassContext
 
 MAX_NUMEL = 1024
@@ -56,14 +54,6 @@ def _constant_attr(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
     return None if obj.requires_grad else obj
 
 
-def _foldable(node: fx.Node) -> bool:
-    if node.op != "call_function" or is_impure(node) or has_symbols(node.meta.get("val")):
-        return False
-    if node.target is operator.getitem:
-        return True
-    return isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) not in EMPTY_OPS
-
-
 def _evaluate(gm: fx.GraphModule) -> dict[fx.Node, Any]:
     """Real values of every constant node (get_attrs, and small computed values)."""
     env: dict[fx.Node, Any] = {}
@@ -74,7 +64,7 @@ def _evaluate(gm: fx.GraphModule) -> dict[fx.Node, Any]:
                 env[node] = t
             continue
         # the cheap test first: most nodes read a graph input somewhere
-        if not all(n in env for n in flat_nodes((node.args, node.kwargs))) or not _foldable(node):
+        if not all(n in env for n in flat_nodes((node.args, node.kwargs))) or not is_foldable(node):
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
         try:

@@ -22,14 +22,12 @@ node reads, excluding
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from ._meta import has_symbols
-from ._util import EMPTY_OPS, alias_input, alias_tree, flat_nodes, is_impure, is_written, op_name, output_values
+from ._util import alias_input, alias_tree, flat_nodes, is_foldable, is_impure, is_written, output_values
 
 
 @dataclass
@@ -46,14 +44,6 @@ class HoistedValues:
         shown = ", ".join(self.names[:8]) + (", ..." if len(self.names) > 8 else "")
         return (f"{len(self.names)} value(s) computed from {len(self.positions)} parameter/buffer input(s) "
                 f"hoisted out of the per-call path ({self.numel} elements): {shown}")
-
-
-def _pure_tensor_op(node: fx.Node) -> bool:
-    if node.op != "call_function" or is_impure(node) or has_symbols(node.meta.get("val")):
-        return False
-    if node.target is operator.getitem:
-        return True
-    return isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) not in EMPTY_OPS
 
 
 def _is_view_of_source(node: fx.Node, sources: set[fx.Node]) -> bool:
@@ -83,7 +73,7 @@ def hoist_static(gm: fx.GraphModule, static_indices: set[int]) -> HoistedValues 
         if node.op == "get_attr":
             region.add(node)
             reads_static.add(node)
-        elif _pure_tensor_op(node) and all(a in region for a in flat_nodes((node.args, node.kwargs))):
+        elif is_foldable(node) and all(a in region for a in flat_nodes((node.args, node.kwargs))):
             region.add(node)
             if any(a in reads_static for a in flat_nodes((node.args, node.kwargs))):
                 reads_static.add(node)
