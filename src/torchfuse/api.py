@@ -42,6 +42,7 @@ class Explanation:
     refused_fusions: list[str] = field(default_factory=list)
     passes: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)   # per graph: parameter-only values hoisted out of calls
+    memory: list[str] = field(default_factory=list)   # per graph: the wrapper's planned peak bytes, reuse
     output: Any = None
 
     def __str__(self) -> str:
@@ -53,6 +54,9 @@ class Explanation:
         if self.frozen:
             lines.append("\nhoisted parameter computations:")
             lines += [f"  {f}" for f in self.frozen]
+        if self.memory:
+            lines.append("\nmemory:")
+            lines += [f"  {m}" for m in self.memory]
         lines.append("\nkernels:")
         lines += [f"  {k}" for k in self.kernels] or ["  (none)"]
         lines.append("\nfallbacks to ATen:")

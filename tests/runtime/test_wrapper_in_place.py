@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -85,3 +86,22 @@ def test_no_reuse_of_a_buffer_with_live_views(tmp_path):
     e = torchfuse.explain(fn, x, options={"debug": True, "debug_dir": tmp_path})
     torch.testing.assert_close(e.output[0], (x @ w).t())
     torch.testing.assert_close(e.output[1], torch.relu(x @ w) * 3)
+
+
+def test_planned_peak_is_reported_and_counts_reuse():
+    """explain() reports the wrapper's planned peak per graph: a chain of ATen matmuls and
+    pointwise kernels on [64, 64] fp32 (16 KiB each) holds at most three buffers at a time."""
+    w = torch.randn(64, 64)
+
+    def fn(x):
+        for _ in range(4):
+            x = torch.relu(x @ w) * 0.5
+        return x
+
+    x = torch.randn(64, 64)
+    e = torchfuse.explain(fn, x)
+    torch.testing.assert_close(e.output, fn(x), rtol=1e-4, atol=1e-4)
+    assert len(e.memory) == 1 and "planned peak" in e.memory[0], e.memory
+    peak, allocated, in_place = (float(v) for v in re.findall(r"([0-9.]+) KiB", e.memory[0]))
+    assert 16 <= peak <= 3 * 16, e.memory[0]
+    assert in_place >= 16 and allocated + in_place >= 8 * 16, e.memory[0]

@@ -182,6 +182,9 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
+    debug.write("memory.txt", builder.memory.describe() + "\n")
+    if report is not None:
+        report.memory.append(f"{graph_name}: {builder.memory.describe()}")
     counters.add_seconds("codegen", time.perf_counter() - t_codegen)
     debug.write("wrapper.py", wrapper_src)
     if report is not None:

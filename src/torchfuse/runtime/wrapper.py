@@ -41,6 +41,65 @@ def _tuple(nodes) -> str:
     return "(" + "".join(py_index(n) + ", " for n in nodes) + ")"
 
 
+class MemoryPlan:
+    """Bytes the wrapper holds as it runs, for explain(): each allocation, each name that shares
+    one (a view, an in-place output), each `del`.  Graph inputs are not counted; outputs stay.
+    `peak` is None when a size is symbolic."""
+
+    def __init__(self) -> None:
+        self.owner: dict[str, int] = {}        # name -> storage id
+        self.size: dict[int, int] = {}         # live storage id -> bytes
+        self.names: dict[int, int] = {}        # live storage id -> live names
+        self.live = self.peak_bytes = self.allocated = self.saved = self.ids = 0
+        self.known = True
+
+    def alloc(self, name: str, meta: tuple) -> None:
+        sizes, _, dtype, _ = meta
+        if not all(s.op == "const" for s in sizes) or not isinstance(dtype, torch.dtype):
+            self.known = False
+            return
+        n = functools.reduce(operator.mul, (int(s.arg) for s in sizes), 1) * dtype.itemsize
+        self.ids += 1
+        sid = self.ids
+        self.owner[name], self.size[sid], self.names[sid] = sid, n, 1
+        self.live += n
+        self.allocated += n
+        self.peak_bytes = max(self.peak_bytes, self.live)
+
+    def share(self, name: str, existing: str, reused: bool = False) -> None:
+        sid = self.owner.get(existing)
+        if sid is not None and sid in self.names:
+            self.owner[name] = sid
+            self.names[sid] += 1
+            if reused:
+                self.saved += self.size[sid]
+
+    def release(self, name: str) -> None:
+        sid = self.owner.pop(name, None)
+        if sid is not None and sid in self.names:
+            self.names[sid] -= 1
+            if not self.names[sid]:
+                self.live -= self.size.pop(sid)
+                del self.names[sid]
+
+    @property
+    def peak(self) -> int | None:
+        return self.peak_bytes if self.known else None
+
+    def describe(self) -> str:
+        if not self.known:
+            return "planned peak: symbolic sizes"
+        return (f"planned peak {_human(self.peak_bytes)} held by the wrapper (inputs not counted); "
+                f"{_human(self.allocated)} allocated, {_human(self.saved)} written in place")
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
                  stored: set[str], kernel_calls: dict[str, str] | None = None):
@@ -52,6 +111,7 @@ class WrapperBuilder:
         from ..scheduler.split import split_factor
         self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten, "_split_factor": split_factor}
         self.lines: list[str] = []
+        self.memory = MemoryPlan()
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -126,6 +186,7 @@ class WrapperBuilder:
                     elif m.buffer.name in self.stored:
                         if donor is not None and m.buffer.name == donor[0]:
                             L.append(f"    {m.buffer.name} = {donor[1]}   # in place: {donor[1]} dies here")
+                            self.memory.share(m.buffer.name, donor[1], reused=True)
                             reusable.add(m.buffer.name)
                             self.reused += 1
                         else:
@@ -138,6 +199,7 @@ class WrapperBuilder:
                     L.append(f"    {item.name}({', '.join(call_args)})")
             elif isinstance(item, AliasView):
                 L.append(f"    {item.name} = {self.view(item.base, item.layout)}")
+                self.memory.share(item.name, item.base)
             elif isinstance(item, FallbackCall) and id(item) in skipped_copies:
                 inp = item.args[0].buffer
                 # the kernel wrote the input itself, unless the input was restrided to a copy
@@ -147,9 +209,17 @@ class WrapperBuilder:
                         L.append(f"    {o} = _mutated_{inp}")
             elif isinstance(item, FallbackCall):
                 self._fallback(item)
+                for o in item.outputs:
+                    if o is not None and o in p.buffer_meta:
+                        if _returns_fresh(item.target):
+                            self.memory.alloc(o, p.buffer_meta[o])
+                        elif item.args and isinstance(item.args[0], BufferRef):
+                            self.memory.share(o, item.args[0].buffer)
             dead = [b for b, last in last_use.items() if last == pos and b not in self._outputs()]
             if dead:
                 L.append(f"    del {', '.join(sorted(dead))}")
+                for b in dead:
+                    self.memory.release(b)
         outs = []
         for o in p.outputs:
             if o is None:
@@ -279,6 +349,7 @@ class WrapperBuilder:
         return {o for o in self.program.outputs if isinstance(o, str)}
 
     def _alloc(self, name: str) -> None:
+        self.memory.alloc(name, self.program.buffer_meta[name])
         sizes, strides, dtype, device = self.program.buffer_meta[name]
         self.lines.append(f"    {name} = {self.const(_allocator(device))}({_tuple(sizes)}, {_tuple(strides)}, "
                           f"{self.const(dtype)})")
