@@ -103,7 +103,7 @@ def test_debug_writer_stages_in_order(tmp_path):
     # Numbered in the order written: 00_, 01_, ... with no gaps; the first four stages are fixed.
     assert [n[:3] for n in names] == [f"{k:02d}_" for k in range(len(names))], names
     assert [n[3:] for n in names[:4]] == ["aten_graph.txt", "passes.txt", "loop_ir.txt", "fusion.txt"]
-    assert sorted(n[3:] for n in names[4:]) == ["kernels.cpp", "wrapper.py"], names
+    assert sorted(n[3:] for n in names[4:]) == ["kernels.cpp", "memory.txt", "wrapper.py"], names
     text = {n[3:]: (dirs[0] / n).read_text() for n in names}
     assert "aten." in text["aten_graph.txt"]
     assert 'extern "C"' in text["kernels.cpp"]
