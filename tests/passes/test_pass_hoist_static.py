@@ -138,3 +138,15 @@ def test_training_graphs_are_not_hoisted(model_and_input):
     m = copy.deepcopy(m).train()
     e = torchfuse.explain(lambda x: m(x).sum(), x.requires_grad_())
     assert e.kernels and not e.frozen
+
+
+def test_parameters_made_under_inference_mode():
+    """Inference tensors keep no version counter: the hoisted values are then recomputed on every
+    call, so an in-place change made under inference_mode is still seen."""
+    with torch.inference_mode():
+        m = _conv_bn_relu()
+        x = torch.randn(2, 3, 11, 13)
+        compiled = torch.compile(m, backend="torchfuse")
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+        m[1].weight.mul_(2)
+        torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)

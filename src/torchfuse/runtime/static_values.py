@@ -32,6 +32,7 @@ class StaticPrologue:
         self.positions = hoisted.positions
         self.frozen = frozen
         self.key: list[tuple[int, int]] | None = None
+        self.warned = False
         self.values: tuple[torch.Tensor, ...] = ()
         self._torchfuse_lib = getattr(main, "_torchfuse_lib", None)  # keep the kernels alive
 
@@ -41,13 +42,22 @@ class StaticPrologue:
             if self.key is None:
                 self._compute(statics, [])
         else:
-            key = [(t._version, t.data_ptr()) for t in statics]
-            if key != self.key:
+            try:
+                key = [(t._version, t.data_ptr()) for t in statics]
+            except RuntimeError:
+                # inference tensors (made under torch.inference_mode) keep no version counter:
+                # an in-place change to one cannot be seen, so the values are computed every call
+                if not self.warned:
+                    log.info("torchfuse: parameters made under inference_mode carry no version counter; "
+                             "parameter-only values are recomputed on every call (freezing=True avoids it)")
+                    self.warned = True
+                key = None
+            if key is None or key != self.key:
                 self._compute(statics, key)
         args.extend(self.values)
         return self.main(args)
 
-    def _compute(self, statics: list[torch.Tensor], key: list[tuple[int, int]]) -> None:
+    def _compute(self, statics: list[torch.Tensor], key: list[tuple[int, int]] | None) -> None:
         if self.key is not None:
             log.debug("torchfuse: a parameter changed: recomputing %d hoisted value(s)", len(self.values))
         with torch.no_grad():
