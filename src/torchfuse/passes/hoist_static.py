@@ -78,6 +78,7 @@ def hoist_static(gm: fx.GraphModule, static_indices: set[int]) -> HoistedValues 
             if any(a in reads_static for a in flat_nodes((node.args, node.kwargs))):
                 reads_static.add(node)
     outs = output_values(graph)
+    roots = sources | set(graph.find_nodes(op="get_attr"))
     frontier: list[fx.Node] = []
     for node in graph.nodes:
         if node not in reads_static or node.op != "call_function":
@@ -87,7 +88,7 @@ def hoist_static(gm: fx.GraphModule, static_indices: set[int]) -> HoistedValues 
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.layout != torch.strided:
             continue
-        if _is_view_of_source(node, sources | set(graph.find_nodes(op="get_attr"))):
+        if _is_view_of_source(node, roots):
             continue
         tree = alias_tree(node)
         if tree & outs or is_written(tree):

@@ -44,7 +44,7 @@ def _tuple(nodes) -> str:
 class MemoryPlan:
     """Bytes the wrapper holds as it runs, for explain(): each allocation, each name that shares
     one (a view, an in-place output), each `del`.  Graph inputs are not counted; outputs stay.
-    `peak` is None when a size is symbolic."""
+    With a symbolic size the plan is unknown (`known` False)."""
 
     def __init__(self) -> None:
         self.owner: dict[str, int] = {}        # name -> storage id
@@ -82,10 +82,6 @@ class MemoryPlan:
                 self.live -= self.size.pop(sid)
                 del self.names[sid]
 
-    @property
-    def peak(self) -> int | None:
-        return self.peak_bytes if self.known else None
-
     def describe(self) -> str:
         if not self.known:
             return "planned peak: symbolic sizes"
@@ -104,8 +100,10 @@ class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
                  stored: set[str], kernel_calls: dict[str, str] | None = None):
         self.program = program
-        self.items = _input_copies_last(items)
         self.kernel_args = kernel_args
+        self.items = _input_copies_last(items, kernel_args)
+        self.outputs = {o for o in program.outputs if isinstance(o, str)}
+        self.reused = 0
         self.kernel_calls = kernel_calls or {}
         self.stored = stored
         from ..scheduler.split import split_factor
@@ -215,7 +213,7 @@ class WrapperBuilder:
                             self.memory.alloc(o, p.buffer_meta[o])
                         elif item.args and isinstance(item.args[0], BufferRef):
                             self.memory.share(o, item.args[0].buffer)
-            dead = [b for b, last in last_use.items() if last == pos and b not in self._outputs()]
+            dead = [b for b, last in last_use.items() if last == pos and b not in self.outputs]
             if dead:
                 L.append(f"    del {', '.join(sorted(dead))}")
                 for b in dead:
@@ -236,32 +234,21 @@ class WrapperBuilder:
     def _used_buffers(self) -> set[str]:
         """Buffers some step reads or the graph returns (an input read by nothing, a parameter
         only a hoisted computation used, needs no stride check)."""
-        used = set(self._outputs())
+        used = set(self.outputs)
         for item in self.items:
-            if isinstance(item, Kernel):
-                used |= set(self.kernel_args[item.name][0])
-            elif isinstance(item, AliasView):
-                used.add(item.base)
-            elif isinstance(item, FallbackCall):
-                refs: list[str] = []
-                _buffer_refs((item.args, list(item.kwargs.values())), refs)
-                used |= set(refs)
+            used.update(_step_refs(item, self.kernel_args))
         return used
 
     def _reusable(self) -> set[str]:
         """Buffers whose storage nothing else can see: not inputs or outputs, not the base of a
         view, not handed to an ATen op that may return an alias of it.  Filled as the wrapper
         is built (a kernel's allocated buffers; fallback outputs that are fresh tensors)."""
-        self.reused = 0
-        self._shared: set[str] = set(self._outputs())
+        self._shared: set[str] = set(self.outputs)
         for item in self.items:
             if isinstance(item, AliasView):
                 self._shared |= {item.base, item.name}
-            elif isinstance(item, FallbackCall):
-                if not _returns_fresh(item.target):
-                    refs: list[str] = []
-                    _buffer_refs((item.args, list(item.kwargs.values())), refs)
-                    self._shared |= set(refs) | {o for o in item.outputs if o is not None}
+            elif isinstance(item, FallbackCall) and not _returns_fresh(item.target):
+                self._shared |= set(_step_refs(item, self.kernel_args)) | {o for o in item.outputs if o is not None}
         fresh = {o for item in self.items if isinstance(item, FallbackCall) and _returns_fresh(item.target)
                  for o in item.outputs if o is not None and o in self.program.buffer_meta}
         return fresh - self._shared
@@ -278,16 +265,8 @@ class WrapperBuilder:
             if isinstance(item, Kernel):
                 for m in item.members:
                     kernel_of[m.buffer.name] = (pos, item)
-                for b in self.kernel_args[item.name][0]:
-                    readers.setdefault(b, []).append(pos)
-            else:
-                refs: list[str] = []
-                if isinstance(item, AliasView):
-                    refs = [item.base]
-                elif isinstance(item, FallbackCall):
-                    _buffer_refs((item.args, list(item.kwargs.values())), refs)
-                for b in refs:
-                    readers.setdefault(b, []).append(pos)
+            for b in _step_refs(item, self.kernel_args):
+                readers.setdefault(b, []).append(pos)
         into: dict[str, str] = {}
         skipped: set[int] = set()
         for cpos, item in enumerate(self.items):
@@ -300,7 +279,7 @@ class WrapperBuilder:
                 continue
             inp, buf = dst.buffer, src.buffer
             kpos, kernel = kernel_of[buf]
-            if (buf not in self.stored or buf in self._outputs() or buf in into or inp in into.values()
+            if (buf not in self.stored or buf in self.outputs or buf in into or inp in into.values()
                     or last_use.get(buf) != cpos or not set(readers.get(buf, ())) <= {kpos, cpos}
                     or any(r > kpos and r != cpos for r in readers.get(inp, ()))
                     or any(isinstance(it, AliasView) and it.base == inp for it in self.items)
@@ -344,9 +323,6 @@ class WrapperBuilder:
                     and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
                 return target.buffer.name, name
         return None
-
-    def _outputs(self) -> set[str]:
-        return {o for o in self.program.outputs if isinstance(o, str)}
 
     def _alloc(self, name: str) -> None:
         self.memory.alloc(name, self.program.buffer_meta[name])
@@ -416,22 +392,13 @@ class WrapperBuilder:
         return {b: p for b, p in last.items() if not b.startswith("in")}
 
 
-def _input_copies_last(items: list) -> list:
+def _input_copies_last(items: list, kernel_args: dict[str, tuple[list[str], list[str]]]) -> list:
     """AOTAutograd's kept input mutations (`copy_(input, new value)`) moved after every other
     step.  In the functional graph every read of an input means its value on entry, but kernels
     inline cheap values by re-reading their inputs (x + x, read again by a later kernel), so an
     input must not change before its last reader ran.  Copies whose result a step reads stay
     (one the graph returns moves: it is read at the return)."""
-    read: set[str] = set()
-    for item in items:
-        refs: list[str] = []
-        if isinstance(item, FallbackCall):
-            _buffer_refs((item.args, list(item.kwargs.values())), refs)
-        elif isinstance(item, AliasView):
-            refs = [item.base]
-        elif isinstance(item, Kernel):
-            refs = [ld.arg for m in item.members for ld in _ir_loads(m.body)]
-        read |= set(refs)
+    read = {b for item in items for b in _step_refs(item, kernel_args)}
 
     def is_input_copy(item: Any) -> bool:
         return (isinstance(item, FallbackCall) and item.target is torch.ops.aten.copy_.default
@@ -439,6 +406,19 @@ def _input_copies_last(items: list) -> list:
                 and not any(o is not None and o in read for o in item.outputs))
     copies = [item for item in items if is_input_copy(item)]
     return [item for item in items if not is_input_copy(item)] + copies if copies else list(items)
+
+
+def _step_refs(item: Any, kernel_args: dict[str, tuple[list[str], list[str]]]) -> list[str]:
+    """The buffers a wrapper step names: a kernel's arguments, a view's base, the tensors an ATen
+    call is given."""
+    if isinstance(item, Kernel):
+        return kernel_args[item.name][0]
+    if isinstance(item, AliasView):
+        return [item.base]
+    refs: list[str] = []
+    if isinstance(item, FallbackCall):
+        _buffer_refs((item.args, list(item.kwargs.values())), refs)
+    return refs
 
 
 def _buffer_refs(a: Any, out: list[str]) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -260,11 +261,8 @@ class _Splitter:
         ranges = {"x0": split, "y0": chunk, **{f"x{j + 1}": s for j, s in enumerate(kernel.outer)}}
         flat = var("x0") * chunk + var("y0")
         mapping: dict[Node, Node] = {var(f"x{j}"): var(f"x{j + 1}") for j in range(n)}
-        order, rest = _inner_order(kernel, red), flat
-        for pos, j in enumerate(reversed(order)):
-            last = pos == len(order) - 1
-            mapping[var(f"y{j}")] = rest if last else mod(rest, kernel.inner[j], ranges)
-            rest = rest if last else floordiv(rest, kernel.inner[j], ranges)
+        order = _inner_order(kernel, red)
+        mapping.update(_unflatten(flat, order, kernel.inner, ranges))
         cond = op("lt", flat, length, dtype=torch.bool) if masked else None
 
         def rewrite(body: Node) -> Node:
@@ -283,7 +281,7 @@ class _Splitter:
         if chain is not None:
             red = [m for m in red if m is not chain.total and m is not chain.squares]
             self._split_variance(kernel, chain, k1, k2, split, chunk, length, order, mapping, ranges, cond,
-                                 part_sizes, part_strides, part_store, row_index)
+                                 rewrite, part_sizes, part_strides, part_store, row_index)
         for m in red:
             red_op, acc = m.buffer.reduction_op, m.body.dtype
             body = rewrite(m.body)
@@ -311,8 +309,8 @@ class _Splitter:
 
     def _split_variance(self, kernel: Kernel, chain: _VarianceChain, k1: Kernel, k2: Kernel, split: Node,
                         chunk: Node, length: Node, order: list[int], mapping: dict, ranges: dict,
-                        cond: Node | None, part_sizes: tuple, part_strides: tuple, part_store: Node,
-                        row_index: Node) -> None:
+                        cond: Node | None, rewrite: Callable[[Node], Node], part_sizes: tuple,
+                        part_strides: tuple, part_store: Node, row_index: Node) -> None:
         """Chan's parallel variance with shifted sums: each chunk c of a row sums d = x - k_c and
         d * d, k_c being x at the chunk's first element (as the looped kernel's lanes do, see
         codegen.triton._emit_shifted_sums); the second kernel reads k_c again and combines
@@ -324,25 +322,15 @@ class _Splitter:
         start_k1 = var("x0") * chunk          # the chunk's first reduced index, in K1 ...
         start_k2 = var("y0") * chunk          # ... and in K2, whose reduced index is the chunk
         ranges2 = {"y0": split, **{f"x{j}": s for j, s in enumerate(kernel.outer)}}
-
-        def at(start: Node, shift: dict, rng: dict) -> dict:
-            out, rest = dict(shift), start
-            for pos, j in enumerate(reversed(order)):
-                last = pos == len(order) - 1
-                out[var(f"y{j}")] = rest if last else mod(rest, kernel.inner[j], rng)
-                rest = rest if last else floordiv(rest, kernel.inner[j], rng)
-            return out
-
         first_ok1 = op("lt", start_k1, length, dtype=torch.bool)
         first_ok2 = op("lt", start_k2, length, dtype=torch.bool)
-        xs = {k: v for k, v in mapping.items() if k.arg.startswith("x")}
-        k_in_k1 = where(first_ok1, _mask_loads(substitute(chain.x, at(start_k1, xs, ranges), ranges), first_ok1),
+        at_k1 = {k: v for k, v in mapping.items() if k.arg.startswith("x")}     # K1's rows: x{j} -> x{j+1}
+        at_k1.update(_unflatten(start_k1, order, kernel.inner, ranges))
+        k_in_k1 = where(first_ok1, _mask_loads(substitute(chain.x, at_k1, ranges), first_ok1), const(0.0, f32))
+        at_k2 = _unflatten(start_k2, order, kernel.inner, ranges2)
+        k_in_k2 = where(first_ok2, _mask_loads(substitute(chain.x, at_k2, ranges2), first_ok2, ("y0",)),
                         const(0.0, f32))
-        k_in_k2 = where(first_ok2, _mask_loads(substitute(chain.x, at(start_k2, {}, ranges2), ranges2), first_ok2,
-                                               ("y0",)), const(0.0, f32))
-        x1 = _mask_loads(substitute(chain.x, mapping, ranges), cond) if cond is not None else \
-            substitute(chain.x, mapping, ranges)
-        d = op("sub", x1, k_in_k1, dtype=f32)
+        d = op("sub", rewrite(chain.x), k_in_k1, dtype=f32)
         if cond is not None:
             d = where(cond, d, const(0.0, f32))
         device = self.program.buffer_meta[chain.total.buffer.name][3]
@@ -372,6 +360,17 @@ class _Splitter:
         post_reads = {ld.arg for p in post for ld in loads(p.body)}
         return bool(m.buffer.is_output or (self.readers.get(m.buffer.name, set()) - {kernel.name})
                     or m.buffer.name in post_reads)
+
+
+def _unflatten(flat: Node, order: list[int], inner: tuple[Node, ...], ranges: dict) -> dict[Node, Node]:
+    """{y_j: its index} for a flat reduced index walking the dims in `order` (slowest first)."""
+    out: dict[Node, Node] = {}
+    rest = flat
+    for pos, j in enumerate(reversed(order)):
+        last = pos == len(order) - 1
+        out[var(f"y{j}")] = rest if last else mod(rest, inner[j], ranges)
+        rest = rest if last else floordiv(rest, inner[j], ranges)
+    return out
 
 
 def _mask_loads(body: Node, cond: Node, index_vars: tuple[str, ...] = ("x0", "y0")) -> Node:
