@@ -26,14 +26,6 @@ COUNTER_KEYS = ("graphs_compiled", "kernels_generated", "kernel_builds", "cache_
                 "cache_hits_memory", "fallback_ops", "eager_fallbacks")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    yield
-    torch._dynamo.reset()
-
-
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Random normal data with no exact zeros (so a kernel that writes zeros cannot pass)."""
     x = torch.randn(*shape, dtype=torch.float64)

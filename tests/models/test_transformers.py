@@ -17,14 +17,6 @@ BUILD_KEYS = ("graphs_compiled", "kernels_generated", "kernel_builds", "cache_hi
               "cache_hits_memory", "eager_fallbacks")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    yield
-    torch._dynamo.reset()
-
-
 def snapshot() -> dict[str, int]:
     return {k: counters[k] for k in BUILD_KEYS}
 

@@ -28,14 +28,6 @@ assert set(INFERENCE) == set(FAMILIES)
 REL = 1e-4   # tolerance relative to each tensor's largest magnitude
 
 
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    yield
-    torch._dynamo.reset()
-
-
 def make_tiny(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     if name in HF_MODELS:
         pytest.importorskip("transformers")
