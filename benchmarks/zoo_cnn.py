@@ -73,6 +73,13 @@ class ClassifierHead(nn.Sequential):
         super().__init__(nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(c, classes))
 
 
+class FeaturesHead(nn.Module):
+    """A classifier made of `self.features` (set by the subclass) and `self.head`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
 # ----------------------------------------------------------------------------------------------
 # ResNet / ResNeXt
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +305,7 @@ class DenseBlock(nn.ModuleList):
         return torch.cat(features, 1)
 
 
-class DenseNet(nn.Module):
+class DenseNet(FeaturesHead):
     def __init__(self, growth: int = 32, blocks: Sequence[int] = (6, 12, 24, 16), init_features: int = 64,
                  bn_size: int = 4, classes: int = 1000):
         super().__init__()
@@ -316,9 +323,6 @@ class DenseNet(nn.Module):
         self.features = nn.Sequential(*layers)
         self.head = ClassifierHead(c, classes)
         init_cnn(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,7 +398,7 @@ MOBILENET_V2 = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 
                 (6, 320, 1, 1))
 
 
-class MobileNetV2(nn.Module):
+class MobileNetV2(FeaturesHead):
     def __init__(self, width: float = 1.0, max_repeats: int = 4, classes: int = 1000):
         super().__init__()
         c = make_divisible(32 * width)
@@ -410,9 +414,6 @@ class MobileNetV2(nn.Module):
         self.head = ClassifierHead(last, classes)
         init_cnn(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
 
 # kernel, expanded channels, out channels, SE, hardswish, stride  (mobilenet_v3_large)
 MOBILENET_V3 = ((3, 16, 16, False, False, 1), (3, 64, 24, False, False, 2), (3, 72, 24, False, False, 1),
@@ -422,7 +423,7 @@ MOBILENET_V3 = ((3, 16, 16, False, False, 1), (3, 64, 24, False, False, 2), (3, 
                 (5, 672, 160, True, True, 2), (5, 960, 160, True, True, 1), (5, 960, 160, True, True, 1))
 
 
-class MobileNetV3(nn.Module):
+class MobileNetV3(FeaturesHead):
     """mobilenet_v3_large; `rows` picks a subset of the block table (all by default)."""
 
     def __init__(self, width: float = 1.0, rows: Sequence[int] | None = None, classes: int = 1000):
@@ -442,16 +443,13 @@ class MobileNetV3(nn.Module):
                                   nn.Hardswish(inplace=True), nn.Linear(1280, classes))
         init_cnn(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
 
 # expansion, kernel, stride, in, out, layers  (efficientnet_b0)
 EFFICIENTNET_B0 = ((1, 3, 1, 32, 16, 1), (6, 3, 2, 16, 24, 2), (6, 5, 2, 24, 40, 2), (6, 3, 2, 40, 80, 3),
                    (6, 5, 1, 80, 112, 3), (6, 5, 2, 112, 192, 4), (6, 3, 1, 192, 320, 1))
 
 
-class EfficientNet(nn.Module):
+class EfficientNet(FeaturesHead):
     def __init__(self, width: float = 1.0, depth: float = 1.0, classes: int = 1000):
         super().__init__()
         c = make_divisible(32 * width)
@@ -467,9 +465,6 @@ class EfficientNet(nn.Module):
         self.features = nn.Sequential(*layers)
         self.head = ClassifierHead(last, classes)
         init_cnn(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -497,7 +492,7 @@ class ShuffleUnit(nn.Module):
         return channel_shuffle(out, 2)
 
 
-class ShuffleNetV2(nn.Module):
+class ShuffleNetV2(FeaturesHead):
     def __init__(self, repeats: Sequence[int] = (4, 8, 4), channels: Sequence[int] = (24, 116, 232, 464, 1024),
                  classes: int = 1000):
         super().__init__()
@@ -510,9 +505,6 @@ class ShuffleNetV2(nn.Module):
         self.features = nn.Sequential(*layers)
         self.head = ClassifierHead(channels[-1], classes)
         init_cnn(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,7 +525,7 @@ class RegNetYBlock(nn.Module):
         return self.relu((x if self.proj is None else self.proj(x)) + self.f(x))
 
 
-class RegNetY(nn.Module):
+class RegNetY(FeaturesHead):
     def __init__(self, widths: Sequence[int] = (48, 104, 208, 440), depths: Sequence[int] = (1, 3, 6, 6),
                  group_width: int = 8, stem: int = 32, classes: int = 1000):
         super().__init__()
@@ -546,9 +538,6 @@ class RegNetY(nn.Module):
         self.features = nn.Sequential(*layers)
         self.head = ClassifierHead(c, classes)
         init_cnn(self)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -577,7 +566,7 @@ class CNBlock(nn.Module):
         return x + (self.gamma * y).permute(0, 3, 1, 2)
 
 
-class ConvNeXt(nn.Module):
+class ConvNeXt(FeaturesHead):
     """convnext_tiny by default.  Layer scale starts at 0.1, not torchvision's 1e-6: with 1e-6 the
     residual branches barely reach the output and an accuracy check would only see the skips."""
 
@@ -596,9 +585,6 @@ class ConvNeXt(nn.Module):
             if isinstance(m, (nn.Conv2d, nn.Linear)):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
 
 
 # ----------------------------------------------------------------------------------------------
