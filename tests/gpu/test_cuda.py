@@ -164,3 +164,27 @@ def test_launch_sites_direct_path_matches_eager():
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         if step > 1:
             assert counters["kernel_builds"] == builds
+
+
+def test_in_place_and_large_kernels_get_direct_launchers():
+    """A kernel writing in place (its output takes a dying input's storage) reproduces its first
+    launch from a snapshot of its inputs, and one whose arguments are too large to snapshot
+    (32 MiB) adopts the convention verified on a small one: both end on the direct launcher,
+    with eager's results on every call."""
+    from torchfuse.runtime import triton_launch
+    w = torch.randn(256, 256, device="cuda")
+
+    def f(x, big):
+        h = x @ w                  # an ATen result that dies at the next kernel: written in place
+        return torch.relu(h * 2 + 1) @ w, big * 2 + 1
+
+    known = set(triton_launch._modules)
+    cf = torch.compile(f, backend="torchfuse", options={"strict": True})
+    for _ in range(3):
+        x, big = torch.randn(256, 256, device="cuda"), torch.randn(8 << 20, device="cuda")
+        for out, ref in zip(cf(x, big), f(x, big)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    kernels = [obj for key, m in triton_launch._modules.items() if key not in known
+               for obj in vars(m).values() if "_tf_fast" in getattr(obj, "__dict__", {})]
+    assert len(kernels) >= 2 and all(all(t.values()) for t in (k._tf_fast for k in kernels)), \
+        [k._tf_fast for k in kernels]

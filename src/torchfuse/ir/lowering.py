@@ -197,6 +197,11 @@ class GraphLowering:
         self.device: torch.device | None = None
         self.forced_fallbacks = set(config.fallback_ops)
         self._reductions: dict[tuple, StridedValue] = {}
+        # values that some consumer needed in memory (a fallback's argument, say), by id: later
+        # consumers read that buffer instead of recomputing the value, which would keep the
+        # value's own inputs alive longer and read more bytes.  The value is kept alongside so
+        # its id is not reused.
+        self._realized: dict[int, tuple[ComputedValue, StridedValue]] = {}
 
     # -- helpers used by the op lowerings ---------------------------------------------------
     def new_name(self, prefix: str = "buf") -> str:
@@ -256,7 +261,10 @@ class GraphLowering:
 
     def as_buffer_ref(self, value: TensorValue) -> BufferRef:
         if isinstance(value, ComputedValue):
-            value = self.realize(value)
+            done = self._realized.get(id(value))
+            if done is None:
+                done = self._realized[id(value)] = (value, self.realize(value))
+            value = done[1]
         assert isinstance(value, StridedValue)
         base = self.buffer_meta.get(value.buffer)
         if base is not None and tuple(base[0]) == value.layout.sizes and tuple(base[1]) == value.layout.strides \
@@ -327,7 +335,9 @@ class GraphLowering:
     def _args(self, node: fx.Node) -> tuple[tuple, dict]:
         def conv(a: Any) -> Any:
             if isinstance(a, fx.Node):
-                return self.env[a]
+                value = self.env[a]
+                done = self._realized.get(id(value)) if isinstance(value, ComputedValue) else None
+                return value if done is None else done[1]
             if isinstance(a, (list, tuple)):
                 return type(a)(conv(x) for x in a)
             if isinstance(a, torch.SymInt):

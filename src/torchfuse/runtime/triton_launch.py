@@ -188,8 +188,7 @@ def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[Callab
     # The C launcher itself, past the Python `CudaLauncher.__call__` (which allocates scratch
     # memory, none here, and builds two closures per launch).  Its arguments changed in Triton
     # 3.7-ish: one shared launcher taking the kernel's signature, instead of one per kernel.
-    direct = (callable(launch) and getattr(run, "global_scratch_size", 1) == 0
-              and getattr(run, "profile_scratch_size", 1) == 0 and not getattr(run, "gsan_enabled", False))
+    direct = _launcher_kind(binary)[1]
     coop, pdl = getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False)
     for extra in (constexprs, ()):      # newer Triton: all params; older: the runtime ones
         if direct and hasattr(run, "kernel_signature"):
@@ -207,31 +206,71 @@ def _pointer(a: Any) -> Any:
     return a.data_ptr() if isinstance(a, _Tensor) else a
 
 
-def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple) -> Any:
+# A calling convention verified on one binary holds for every binary with the same kind of
+# launcher (they come from one Triton): a kernel whose arguments are too large to snapshot twice
+# adopts it unverified, so the first call's peak memory is not two copies of the largest kernel.
+_VERIFY_BYTES = 16 << 20
+_trusted: dict[tuple, int] = {}
+
+
+def _launcher_kind(binary: Any) -> tuple:
+    run = binary.run
+    launch = getattr(run, "launch", None)
+    direct = (callable(launch) and getattr(run, "global_scratch_size", 1) == 0
+              and getattr(run, "profile_scratch_size", 1) == 0 and not getattr(run, "gsan_enabled", False))
+    return type(run), direct, hasattr(run, "kernel_signature")
+
+
+def _snapshot(args: tuple) -> list | None:
+    """Copies of the tensor arguments before a first launch, when they are small enough to verify
+    a calling convention on (None otherwise)."""
+    tensors = [a for a in args if isinstance(a, _Tensor)]
+    if sum(t.numel() * t.element_size() for t in tensors) > _VERIFY_BYTES:
+        return None
+    return [t.clone() for t in tensors]
+
+
+def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before: list | None) -> Any:
     """A direct launcher for this binary (`fast(grid, args)`, with `fast.bind(grid, tail)` for
-    a call site whose launch never changes), or False: the first calling convention that
-    reproduces the launch just made through Triton's `kernel[grid](...)` bit for bit."""
+    a call site whose launch never changes), False if none works, or None to decide later.
+
+    With `before` (the tensor arguments as they were before the launch just made through
+    Triton's `kernel[grid](...)`), the first calling convention that reproduces that launch bit
+    for bit, starting from the same inputs (so a kernel writing in place is verified too).
+    Without it, the convention already verified for this kind of launcher, if any."""
     import torch
     if not all(hasattr(binary, a) for a in ("run", "function", "packed_metadata")):
         return False
-    tensors = [a for a in args if hasattr(a, "data_ptr")]
+    tensors = [a for a in args if isinstance(a, _Tensor)]
+    device = tensors[0].device.index if tensors else torch.cuda.current_device()
+    kind = _launcher_kind(binary)
+    conventions = list(_conventions(binary, constexprs, device))
+
+    def fast_for(bind: Callable) -> Callable:
+        def fast(grid: tuple, args: tuple, bind: Callable = bind) -> None:
+            bind(grid, ())(*map(_pointer, args))
+        fast.bind = bind
+        return fast
+
+    if before is None:
+        index = _trusted.get(kind)
+        return fast_for(conventions[index]) if index is not None and index < len(conventions) else None
     torch.cuda.synchronize()
     expected = [t.clone() for t in tensors]
-    device = tensors[0].device.index if tensors else torch.cuda.current_device()
     pointers = tuple(_pointer(a) for a in args)
-    for bind in _conventions(binary, constexprs, device):
+    for index, bind in enumerate(conventions):
+        for t, b in zip(tensors, before):
+            t.copy_(b)
         try:
             bind(grid, ())(*pointers)
             torch.cuda.synchronize()
         except Exception:
             continue
         if all(_same(t, e) for t, e in zip(tensors, expected)):
-            def fast(grid: tuple, args: tuple, bind: Callable = bind) -> None:
-                bind(grid, ())(*map(_pointer, args))
-            fast.bind = bind
-            return fast
-        for t, e in zip(tensors, expected):    # undo whatever the wrong convention wrote
-            t.copy_(e)
+            _trusted[kind] = index
+            return fast_for(bind)
+    for t, e in zip(tensors, expected):    # undo whatever the wrong conventions wrote
+        t.copy_(e)
     return False
 
 
@@ -268,9 +307,10 @@ def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int
     if fast:
         fast(grid, args)
         return fast
+    before = _snapshot(args) if fast is None else None
     binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
     if fast is None:
-        table[key] = _make_fast(binary, args, constexprs, grid)
+        table[key] = _make_fast(binary, args, constexprs, grid, before)
     return None       # (this launch went through Triton: a site binds on its next call)
 
 

@@ -43,28 +43,51 @@ def _tuple(nodes) -> str:
 
 class MemoryPlan:
     """Bytes the wrapper holds as it runs, for explain(): each allocation, each name that shares
-    one (a view, an in-place output), each `del`.  Graph inputs are not counted; outputs stay.
-    With a symbolic size the plan is unknown (`known` False)."""
+    one (a view, an in-place output), each `del`.  Inputs are counted apart (`enter`): the caller
+    may hold them too, but a backward graph's inputs (the saved activations) it hands over, and
+    the wrapper's `del` after their last reader is what frees them.  Outputs stay.  With a
+    symbolic size the plan is unknown (`known` False)."""
 
     def __init__(self) -> None:
         self.owner: dict[str, int] = {}        # name -> storage id
         self.size: dict[int, int] = {}         # live storage id -> bytes
         self.names: dict[int, int] = {}        # live storage id -> live names
+        self.input_ids: set[int] = set()
         self.live = self.peak_bytes = self.allocated = self.saved = self.ids = 0
+        self.inputs_live = self.input_bytes = self.inputs_freed = self.peak_with_inputs = 0
         self.known = True
 
-    def alloc(self, name: str, meta: tuple) -> None:
+    def _bytes(self, meta: tuple) -> int | None:
         sizes, _, dtype, _ = meta
         if not all(s.op == "const" for s in sizes) or not isinstance(dtype, torch.dtype):
             self.known = False
-            return
-        n = functools.reduce(operator.mul, (int(s.arg) for s in sizes), 1) * dtype.itemsize
+            return None
+        return functools.reduce(operator.mul, (int(s.arg) for s in sizes), 1) * dtype.itemsize
+
+    def _new(self, name: str, n: int) -> int:
         self.ids += 1
         sid = self.ids
         self.owner[name], self.size[sid], self.names[sid] = sid, n, 1
+        return sid
+
+    def enter(self, name: str, meta: tuple) -> None:
+        """An input, held from the start."""
+        n = self._bytes(meta)
+        if n is not None:
+            self.input_ids.add(self._new(name, n))
+            self.inputs_live += n
+            self.input_bytes += n
+            self.peak_with_inputs = max(self.peak_with_inputs, self.live + self.inputs_live)
+
+    def alloc(self, name: str, meta: tuple) -> None:
+        n = self._bytes(meta)
+        if n is None:
+            return
+        self._new(name, n)
         self.live += n
         self.allocated += n
         self.peak_bytes = max(self.peak_bytes, self.live)
+        self.peak_with_inputs = max(self.peak_with_inputs, self.live + self.inputs_live)
 
     def share(self, name: str, existing: str, reused: bool = False) -> None:
         sid = self.owner.get(existing)
@@ -79,14 +102,20 @@ class MemoryPlan:
         if sid is not None and sid in self.names:
             self.names[sid] -= 1
             if not self.names[sid]:
-                self.live -= self.size.pop(sid)
+                n = self.size.pop(sid)
                 del self.names[sid]
+                if sid in self.input_ids:
+                    self.inputs_live -= n
+                    self.inputs_freed += n
+                else:
+                    self.live -= n
 
     def describe(self) -> str:
         if not self.known:
             return "planned peak: symbolic sizes"
-        return (f"planned peak {_human(self.peak_bytes)} held by the wrapper (inputs not counted); "
-                f"{_human(self.allocated)} allocated, {_human(self.saved)} written in place")
+        return (f"planned peak {_human(self.peak_bytes)} held by the wrapper, {_human(self.peak_with_inputs)} with "
+                f"the inputs it holds; {_human(self.allocated)} allocated, {_human(self.saved)} written in place; "
+                f"inputs {_human(self.input_bytes)}, {_human(self.inputs_freed)} of them dropped after their last reader")
 
 
 def _human(n: int) -> str:
@@ -167,7 +196,18 @@ class WrapperBuilder:
                 # (an input traced as a tensor may be None at run time: AOTAutograd effect tokens)
                 L.append(f"    if in{i} is not None and {got} != {want}: "
                          f"in{i} = _restride(in{i}, {_tuple(sizes)}, {_tuple(strides)})")
+        for i, (_, val) in enumerate(p.inputs):
+            if isinstance(val, torch.Tensor) and f"in{i}" in p.buffer_meta:
+                self.memory.enter(f"in{i}", p.buffer_meta[f"in{i}"])
         last_use = self._last_uses()
+        # Inputs are dropped after their last reader like any buffer: a backward graph's inputs
+        # are the activations the forward saved, and the caller cleared its list (boxed call),
+        # so each is freed as soon as the backward is done with it, not when the graph returns.
+        unread = [n for n in names if n not in last_use and n not in self.outputs]
+        if unread:
+            L.append(f"    del {', '.join(unread)}")
+            for n in unread:
+                self.memory.release(n)
         reusable = self._reusable()
         into_input, skipped_copies = self._mutations_in_place(last_use)
         for buf, inp in sorted(into_input.items()):
@@ -349,6 +389,7 @@ class WrapperBuilder:
             for k, o in enumerate(item.outputs):
                 if o is not None:
                     L.append(f"    {o} = {tmp}[{k}]")
+            L.append(f"    del {tmp}")   # the tuple would keep outputs alive past their last use
         else:
             L.append(f"    {call}")
         for sym_name, buf, dim in item.binds:
@@ -389,7 +430,7 @@ class WrapperBuilder:
                     if o is not None and o in self.program.buffer_meta:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
-        return {b: p for b, p in last.items() if not b.startswith("in")}
+        return last
 
 
 def _input_copies_last(items: list, kernel_args: dict[str, tuple[list[str], list[str]]]) -> list:
