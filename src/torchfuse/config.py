@@ -98,7 +98,11 @@ class Config:
     """Loops with fewer elements than this run on one thread (OpenMP start-up costs microseconds)."""
 
     cudagraphs: bool = False
-    """Replay each compiled CUDA graph through a captured CUDA graph (mode="reduce-overhead")."""
+    """Replay each compiled CUDA graph through a captured CUDA graph (mode="reduce-overhead"),
+    by PyTorch's CUDA graph trees (see runtime/cudagraphs.py)."""
+    cudagraph_max_sizes: int = 8
+    """Captures per graph for distinct dynamic sizes; past it new sizes run without CUDA graphs
+    (logged once).  0: no bound."""
     autotune: bool = False
     """Benchmark a few block-size configurations per Triton kernel and remember the winner on disk
     (mode="max-autotune")."""

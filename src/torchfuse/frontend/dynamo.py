@@ -13,6 +13,7 @@ import torch.fx as fx
 from ..api import Explanation
 from ..config import Config
 from ..counters import counters
+from ..runtime import cudagraphs
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -25,12 +26,21 @@ class TorchfuseBackend:
         self.config = config or Config.from_options()
         self.report = report
 
-    def _compiler(self, kind: str) -> Callable:
+    def _compiler(self, kind: str, training: "cudagraphs.TrainingState") -> Callable:
         from ..runtime.compiled_graph import compile_graph
 
         def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            return compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report,
-                                 static_inputs=_static_input_indices() if kind == "inference" else None)
+            static = _static_input_indices()
+            n_inputs = len(list(gm.graph.find_nodes(op="placeholder")))
+            call = compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report,
+                                 static_inputs=static if kind == "inference" else None)
+            if not self.config.cudagraphs:
+                return call
+            # gm is now the graph as lowered: values hoisted out of it are trailing inputs,
+            # computed from parameters, so static too
+            hoisted = range(n_inputs, len(list(gm.graph.find_nodes(op="placeholder"))))
+            plan = cudagraphs.plan_capture(gm, kind, sorted(static | set(hoisted)))
+            return cudagraphs.wrap(call, plan, training, self.config.cudagraph_max_sizes, f"a {kind} graph")
         return compile_fn
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -43,8 +53,10 @@ class TorchfuseBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import default_partition
         partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
-        aot = aot_autograd(fw_compiler=backend._compiler("forward"), bw_compiler=backend._compiler("backward"),
-                           inference_compiler=backend._compiler("inference"),
+        training = cudagraphs.TrainingState()
+        aot = aot_autograd(fw_compiler=backend._compiler("forward", training),
+                           bw_compiler=backend._compiler("backward", training),
+                           inference_compiler=backend._compiler("inference", training),
                            decompositions=decomposition_table(), partition_fn=partition,
                            # input mutations stay in the graph as copy_ (inference graphs, and
                            # in training the ones autograd cannot see: batch norm's running

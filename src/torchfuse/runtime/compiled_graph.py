@@ -215,10 +215,6 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         counters.bump("eager_fallbacks")
         return _eager(gm)
     call = make_callable(wrapper_src, builder.globals, kernels)
-    if config.cudagraphs and device == "cuda":
-        from .cudagraphs import CudaGraphRunner
-        call = CudaGraphRunner(call, _mutated_inputs(program))
-        return call
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # keep the library alive as long as the callable
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
@@ -276,18 +272,6 @@ def _canonical(src: str, name: str, bufs: list[str]) -> str:
     src = re.sub(r"(?<![A-Za-z0-9])(?:in|buf|const)\d+(?:_part)?(?![A-Za-z0-9])", rename, src)
     # Triton reduction and tiled kernels are named <kernel>_persistent / _looped / _tiled
     return re.sub(rf"\b{re.escape(name)}(?=_persistent\b|_looped\b|_tiled\b|\b)", "KERNEL", src)
-
-
-def _mutated_inputs(program) -> set[int]:
-    """Inputs written by ATen ops in the graph (AOTAutograd input mutations, e.g. copy_)."""
-    from ..ir.buffers import BufferRef, FallbackCall
-    out: set[int] = set()
-    for step in program.steps:
-        if isinstance(step, FallbackCall) and hasattr(step.target, "_schema") and step.target._schema.is_mutable:
-            first = step.args[0] if step.args else None
-            if isinstance(first, BufferRef) and first.buffer.startswith("in"):
-                out.add(int(first.buffer[2:]))
-    return out
 
 
 def _graph_device(gm: fx.GraphModule) -> str:

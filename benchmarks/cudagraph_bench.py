@@ -1,0 +1,173 @@
+"""mode="reduce-overhead" side by side: eager, Inductor and torchfuse under CUDA graphs (and
+torchfuse without them), on small-batch decoder inference and on training steps.
+
+    python benchmarks/cudagraph_bench.py [--rows infer,train] [--json out.json]
+
+Inference rows: Llama-style (GQA) and GPT-2-style 6-layer decoders, batch 1-4 x 32-128 tokens,
+bf16 and fp32, the hidden states out.  Training rows: forward, loss, backward and an eager SGD
+step for the same GPT-2-style model and for a ResNet-18 (zoo), each step after
+`torch.compiler.cudagraph_mark_step_begin()`.  Per row: ms per call (back to back, host
+included), ratios, and the peak memory of torchfuse with and without CUDA graphs (first calls
+and captures included).  TF32 off.  The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import torchfuse  # noqa: E402,F401  (registers the backend)
+from zoo import TrainStep  # noqa: E402
+from zoo_models import BY_NAME  # noqa: E402
+from zoo_transformers import HFOutput, _transformers  # noqa: E402
+
+BACKENDS = ("eager", "inductor-ro", "torchfuse-ro", "torchfuse")
+
+
+@dataclass
+class Row:
+    name: str
+    ms: dict[str, float] = field(default_factory=dict)
+    peak_mib: dict[str, float] = field(default_factory=dict)
+    error: dict[str, str] = field(default_factory=dict)
+
+
+def decoder(kind: str) -> torch.nn.Module:
+    tf = _transformers()
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
+                             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, use_cache=False)
+        model = tf.LlamaModel(cfg)
+    else:
+        cfg = tf.GPT2Config(n_embd=768, n_layer=6, n_head=12, vocab_size=50257, n_positions=1024, use_cache=False,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = tf.GPT2Model(cfg)
+    return HFOutput(model, ("input_ids",), "last_hidden_state")
+
+
+def compiled(backend: str, model: torch.nn.Module) -> Callable:
+    if backend == "eager":
+        return model
+    if backend == "inductor-ro":
+        return torch.compile(model, mode="reduce-overhead")
+    if backend == "torchfuse-ro":
+        return torch.compile(model, backend="torchfuse", mode="reduce-overhead")
+    return torch.compile(model, backend="torchfuse")
+
+
+def timed(step: Callable, budget: float = 0.5) -> float:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < budget or n < 10:
+        step()
+        n += 1
+        if n % 10 == 0:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def run_row(row: Row, make: Callable[[str], Callable]) -> None:
+    for backend in BACKENDS:
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            step = make(backend)
+            row.ms[backend] = timed(step)
+            row.peak_mib[backend] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+        except Exception as e:   # keep the table going
+            row.error[backend] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            print(f"  !! {row.name} {backend}: {row.error[backend]}", flush=True)
+        step = None
+    print(f"{row.name}: " + ", ".join(f"{b} {row.ms.get(b, float('nan')):.3f} ms" for b in BACKENDS), flush=True)
+
+
+def inference_row(kind: str, dtype: torch.dtype, batch: int, seq: int) -> Row:
+    row = Row(f"{kind} infer {str(dtype)[6:]} {batch}x{seq}")
+    model = decoder(kind).cuda().eval().to(dtype)
+    ids = torch.randint(0, 30000, (batch, seq), device="cuda")
+
+    def make(backend: str) -> Callable:
+        fn = compiled(backend, model)
+
+        def step() -> None:
+            with torch.no_grad():
+                fn(ids)
+        return step
+    run_row(row, make)
+    return row
+
+
+def training_row(name: str) -> Row:
+    row = Row(f"{name} train fp32")
+
+    def make(backend: str) -> Callable:
+        if name == "gpt2":
+            model = decoder("gpt2").cuda().train()
+            inputs = (torch.randint(0, 30000, (4, 128), device="cuda"),)
+            loss = lambda out, inputs: out.float().square().mean()  # noqa: E731
+        else:
+            zm = BY_NAME[name]
+            model, inputs = zm.make("cpu", "cuda")
+            model.train()
+            loss = zm.loss
+        train = TrainStep(model, compiled(backend, model), loss, inputs)
+
+        def step() -> None:
+            torch.compiler.cudagraph_mark_step_begin()
+            train()
+        return step
+    run_row(row, make)
+    return row
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| row | eager ms | Inductor RO ms | torchfuse RO ms | torchfuse ms | tf RO / ind RO | tf RO / eager "
+             "| peak MiB tf RO / tf |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms = [r.ms.get(b) for b in BACKENDS]
+        f = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
+        speed = f"{ms[1] / ms[2]:.2f}x" if ms[1] and ms[2] else "—"
+        vs_eager = f"{ms[0] / ms[2]:.2f}x" if ms[0] and ms[2] else "—"
+        peaks = " / ".join("—" if b not in r.peak_mib else f"{r.peak_mib[b]:.0f}" for b in BACKENDS[2:])
+        lines.append(f"| {r.name} | {' | '.join(f(v) for v in ms)} | {speed} | {vs_eager} | {peaks} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="infer,train", help="infer, train or both")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rows: list[Row] = []
+    if "infer" in args.rows:
+        for kind, dtype, batch, seq in [("llama", torch.bfloat16, 1, 32), ("llama", torch.bfloat16, 4, 128),
+                                        ("llama", torch.float32, 1, 64), ("gpt2", torch.bfloat16, 1, 64),
+                                        ("gpt2", torch.float32, 2, 96)]:
+            rows.append(inference_row(kind, dtype, batch, seq))
+    if "train" in args.rows:
+        for name in ("gpt2", "resnet18"):
+            rows.append(training_row(name))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n" + table(rows))
+
+
+if __name__ == "__main__":
+    main()
