@@ -4,6 +4,7 @@ that a graph that cannot be captured runs as compiled.  Graphs are traced with f
 tensors (no GPU needed); the captures themselves are tested in tests/gpu."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -27,6 +28,7 @@ def test_inference_graph_is_captured_with_its_parameters_static():
     gm = _trace(lambda x, w, b: torch.relu(x @ w + b), (4, 8), (8, 8), (8,))
     plan = cudagraphs.plan_capture(gm, "inference", [1, 2])
     assert plan.skip is None and plan.static == (1, 2) and plan.mutated == () and plan.device_index == 0
+    assert len(plan.stack_traces) == 1 and len(plan.placeholders) == 3    # one per output, per input
 
 
 def test_backward_graph_takes_saved_activations_as_static():
@@ -86,6 +88,8 @@ def test_captures_per_graph_are_bounded(caplog):
             bounded([torch.zeros(1), n])
     assert ran == [("captured", 3), ("captured", 5), ("plain", 7), ("captured", 3), ("plain", 9), ("captured", 5)]
     assert sum("cudagraph_max_sizes" in r.message for r in caplog.records) == 1
+    # still boxed once Dynamo wraps it (functools.wraps copies the instance's __dict__ only)
+    assert functools.wraps(bounded)(lambda args: None).__dict__.get("_boxed_call") is True
 
 
 def test_skipped_graph_runs_as_compiled_and_backward_tells_the_trees():

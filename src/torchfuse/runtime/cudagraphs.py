@@ -35,6 +35,9 @@ class CapturePlan:
     mutated: tuple[int, ...]           # inputs the graph writes
     device_index: int | None
     skip: str | None
+    # per output, where it was made (the trees name it in their errors, and require the list)
+    stack_traces: tuple[str | None, ...] = ()
+    placeholders: tuple = ()           # the trees' PlaceholderInfo, for their mutation messages
 
 
 @dataclasses.dataclass
@@ -116,8 +119,16 @@ def plan_capture(gm: fx.GraphModule, kind: str, static_inputs: Sequence[int]) ->
         elif mutated - static:
             i = min(mutated - static)
             skip = f"it mutates input {i} ({placeholders[i].name}), which is not a parameter or buffer"
+    outputs = next(iter(reversed(gm.graph.nodes))).args[0]
+    outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    traces = tuple(o.stack_trace if isinstance(o, fx.Node) else None for o in outputs)
+    try:
+        from torch._inductor.cudagraph_utils import get_placeholder_info
+        placeholder_info = tuple(get_placeholder_info(gm.graph))
+    except Exception:       # only for messages
+        placeholder_info = ()
     return CapturePlan(kind, tuple(sorted(static)), tuple(sorted(mutated)),
-                       cuda[0].index if len(cuda) == 1 else None, skip)
+                       cuda[0].index if len(cuda) == 1 else None, skip, traces, placeholder_info)
 
 
 def size_key(args: Sequence[Any]) -> tuple:
@@ -128,9 +139,10 @@ def size_key(args: Sequence[Any]) -> tuple:
 class _Bounded:
     """At most `limit` captures (sizes) per graph; past it, new sizes run uncaptured, logged once."""
 
-    _boxed_call = True
-
     def __init__(self, captured: Callable, plain: Callable, limit: int, name: str):
+        # an instance attribute: Dynamo wraps a backward in functools.wraps, which copies the
+        # instance's __dict__ but not its class's attributes
+        self._boxed_call = True
         self.captured, self.plain, self.limit, self.name = captured, plain, limit, name
         self.keys: set[tuple] = set()
         self.warned = False
@@ -183,7 +195,8 @@ def _deferred(call: Callable, plan: CapturePlan) -> Callable:
         if captured is None:
             captured = cudagraph_trees.cudagraphify_impl(
                 call, args, plan.static, device_index=plan.device_index, is_backward=plan.kind == "backward",
-                is_inference=plan.kind == "inference", stack_traces=None, mutated_input_idxs=plan.mutated)
+                is_inference=plan.kind == "inference", stack_traces=list(plan.stack_traces),
+                placeholders=list(plan.placeholders), mutated_input_idxs=plan.mutated)
         return captured(args)
 
     run._boxed_call = True    # type: ignore[attr-defined]

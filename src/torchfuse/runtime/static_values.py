@@ -24,9 +24,8 @@ log = logging.getLogger("torchfuse")
 class StaticPrologue:
     """A boxed callable: appends the (cached) hoisted values to the inputs, then calls `main`."""
 
-    _boxed_call = True
-
     def __init__(self, main: Callable, hoisted: HoistedValues, frozen: bool):
+        self._boxed_call = True     # (on the instance: functools.wraps copies only its __dict__)
         self.main = main
         self.const_gm = hoisted.const_gm
         self.positions = hoisted.positions
