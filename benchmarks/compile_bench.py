@@ -1,0 +1,108 @@
+"""Cold and warm first-call time, torchfuse next to Inductor, by stage.
+
+    python benchmarks/compile_bench.py --only gpt2,resnet50 [--device cuda] [--dtype bf16] [--train]
+
+For each zoo model and backend, two fresh processes share one new set of cache directories
+(torchfuse's, Inductor's, Triton's): the first call of the first process is the cold start, the
+first call of the second the warm start (a restart).  Each process first compiles a tiny
+function, so imports and CUDA start-up are not counted.  torchfuse's own stages come from
+`torchfuse.counters.seconds` ("backend" is AOTAutograd plus every torchfuse stage; the rest of a
+first call is Dynamo's trace and the first run).  The table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r'''
+import json, sys, time
+sys.path.insert(0, {bench!r})
+import torch, torchfuse
+from zoo import TrainStep, compile_with
+from zoo_models import BY_NAME
+name, backend, device, dtype, train = {name!r}, {backend!r}, {device!r}, {dtype!r}, {train!r}
+tiny = compile_with(backend, torch.nn.Linear(4, 4).to(device))
+tiny(torch.randn(2, 4, device=device)).sum().backward()
+torch._dynamo.reset()
+torchfuse.counters.seconds.clear()
+zm = BY_NAME[name]
+model, inputs = zm.make("gpu" if device == "cuda" else "cpu", device,
+                        torch.bfloat16 if dtype == "bf16" else torch.float32)
+if device == "cuda":
+    torch.cuda.synchronize()
+t0 = time.perf_counter()
+if train:
+    model.train()
+    TrainStep(model, compile_with(backend, model), zm.loss, inputs)()
+else:
+    with torch.no_grad():
+        compile_with(backend, model)(*inputs)
+if device == "cuda":
+    torch.cuda.synchronize()
+print("RESULT", json.dumps({{"first_call_s": time.perf_counter() - t0,
+                            "stages": dict(torchfuse.counters.seconds)}}))
+'''
+
+
+def run_child(name: str, backend: str, args: argparse.Namespace, caches: str) -> dict:
+    env = dict(os.environ, TORCHFUSE_CACHE_DIR=os.path.join(caches, "torchfuse"),
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"), TRITON_CACHE_DIR=os.path.join(caches, "triton"))
+    code = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), name=name, backend=backend,
+                        device=args.device, dtype=args.dtype, train=args.train)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="gpt2,resnet50", help="comma-separated zoo model names")
+    ap.add_argument("--backends", default="torchfuse,inductor")
+    ap.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--train", action="store_true", help="a training step instead of inference")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    results: dict[str, dict[str, dict]] = {}
+    for name in args.only.split(","):
+        for backend in args.backends.split(","):
+            with tempfile.TemporaryDirectory(prefix="compile-bench-") as caches:
+                cold = run_child(name, backend, args, caches)
+                warm = run_child(name, backend, args, caches)
+            results.setdefault(name, {})[backend] = {"cold": cold, "warm": warm}
+            print(f"{name} {backend}: cold {cold}, warm {warm}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    mode = "train" if args.train else "infer"
+    lines = [f"\n{args.device} {args.dtype} {mode}: first-call seconds (cold / warm), torchfuse stages of the warm start",
+             "| model | Inductor cold | Inductor warm | torchfuse cold | torchfuse warm | tf/ind cold | tf/ind warm "
+             "| tf warm stages |", "|---|---|---|---|---|---|---|---|"]
+    for name, by in results.items():
+        get = lambda b, k: by.get(b, {}).get(k, {}).get("first_call_s")  # noqa: E731
+        ic, iw, tc, tw = get("inductor", "cold"), get("inductor", "warm"), get("torchfuse", "cold"), get("torchfuse", "warm")
+        f = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+        r = lambda a, b: "—" if a is None or not b else f"{a / b:.2f}x"  # noqa: E731
+        stages = by.get("torchfuse", {}).get("warm", {}).get("stages", {})
+        lines.append(f"| {name} | {f(ic)} | {f(iw)} | {f(tc)} | {f(tw)} | {r(tc, ic)} | {r(tw, iw)} | "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])) + " |")
+    print("\n".join(lines))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
