@@ -21,9 +21,12 @@ import tempfile
 CHILD = r'''
 import json, sys, time
 sys.path.insert(0, {bench!r})
+import os
+caches = {{k: os.environ[k] for k in ("TORCHFUSE_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}}
 import torch, torchfuse
 from zoo import TrainStep, compile_with
 from zoo_models import BY_NAME
+os.environ.update(caches)     # (importing zoo points the caches at fresh folders, for its cold timings)
 name, backend, device, dtype, train = {name!r}, {backend!r}, {device!r}, {dtype!r}, {train!r}
 tiny = compile_with(backend, torch.nn.Linear(4, 4).to(device))
 tiny(torch.randn(2, 4, device=device)).sum().backward()

@@ -37,6 +37,10 @@ class Config:
     cxx: str = "g++"
     cxx_flags: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-std=c++17",
                                   "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
+    graph_cache: bool = True
+    """Store each compiled graph in AOTAutograd's on-disk cache (bundled mode), keyed by the graph,
+    torch's configs, torchfuse's source and this Config: a restart loads it instead of tracing
+    again (frontend/graph_cache.py).  torch.compiler.config.force_disable_caches turns it off too."""
     memory_cache_size: int = 256
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 

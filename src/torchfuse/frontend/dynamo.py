@@ -14,6 +14,7 @@ from ..api import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
+from . import graph_cache
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -26,21 +27,28 @@ class TorchfuseBackend:
         self.config = config or Config.from_options()
         self.report = report
 
-    def _compiler(self, kind: str, training: "cudagraphs.TrainingState") -> Callable:
+    def _compile(self, kind: str, gm: fx.GraphModule, static: set[int], training: "cudagraphs.TrainingState") -> Callable:
+        """One aten graph through torchfuse (and CUDA graphs under reduce-overhead)."""
         from ..runtime.compiled_graph import compile_graph
+        n_inputs = len(list(gm.graph.find_nodes(op="placeholder")))
+        call = compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report,
+                             static_inputs=static if kind == "inference" else None)
+        if not self.config.cudagraphs:
+            return call
+        # gm is now the graph as lowered: values hoisted out of it are trailing inputs,
+        # computed from parameters, so static too
+        hoisted = range(n_inputs, len(list(gm.graph.find_nodes(op="placeholder"))))
+        plan = cudagraphs.plan_capture(gm, kind, sorted(static | set(hoisted)))
+        return cudagraphs.wrap(call, plan, training, self.config.cudagraph_max_sizes, f"a {kind} graph")
+
+    def _compiler(self, kind: str, training: "cudagraphs.TrainingState", cached: bool) -> Callable:
+        if cached:
+            compiler = graph_cache.serializable(kind, self._compile, _static_input_indices, training, self.config)
+            if compiler is not None:
+                return compiler
 
         def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            static = _static_input_indices()
-            n_inputs = len(list(gm.graph.find_nodes(op="placeholder")))
-            call = compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report,
-                                 static_inputs=static if kind == "inference" else None)
-            if not self.config.cudagraphs:
-                return call
-            # gm is now the graph as lowered: values hoisted out of it are trailing inputs,
-            # computed from parameters, so static too
-            hoisted = range(n_inputs, len(list(gm.graph.find_nodes(op="placeholder"))))
-            plan = cudagraphs.plan_capture(gm, kind, sorted(static | set(hoisted)))
-            return cudagraphs.wrap(call, plan, training, self.config.cudagraph_max_sizes, f"a {kind} graph")
+            return self._compile(kind, gm, _static_input_indices(), training)
         return compile_fn
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
@@ -54,16 +62,18 @@ class TorchfuseBackend:
         from torch._functorch.partitioners import default_partition
         partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
         training = cudagraphs.TrainingState()
-        aot = aot_autograd(fw_compiler=backend._compiler("forward", training),
-                           bw_compiler=backend._compiler("backward", training),
-                           inference_compiler=backend._compiler("inference", training),
-                           decompositions=decomposition_table(), partition_fn=partition,
-                           # input mutations stay in the graph as copy_ (inference graphs, and
-                           # in training the ones autograd cannot see: batch norm's running
-                           # statistics), so the kernel computing the new value writes the input
-                           # itself (runtime/wrapper.py) instead of AOTAutograd copying each after
-                           keep_inference_input_mutations=True)
-        with counters.timed("backend"):      # AOTAutograd + every compile_graph it calls
+        with graph_cache.enabled(config, backend._compile) as cached, counters.timed("backend"):
+            # (AOTAutograd + every compile_graph it calls, or the cache's load)
+            aot = aot_autograd(fw_compiler=backend._compiler("forward", training, cached),
+                               bw_compiler=backend._compiler("backward", training, cached),
+                               inference_compiler=backend._compiler("inference", training, cached),
+                               decompositions=decomposition_table(), partition_fn=partition,
+                               # input mutations stay in the graph as copy_ (inference graphs,
+                               # and in training the ones autograd cannot see: batch norm's
+                               # running statistics), so the kernel computing the new value
+                               # writes the input itself (runtime/wrapper.py) instead of
+                               # AOTAutograd copying each after
+                               keep_inference_input_mutations=True)
             return aot(gm, example_inputs)
 
 

@@ -1,0 +1,196 @@
+"""The graph-level cache: a restart skips AOTAutograd, through AOTAutograd's own cache.
+
+AOTAutograd consults its on-disk cache (torch/_functorch/_aot_autograd/autograd_cache.py) when the
+forward compiler is a `SerializableAOTDispatchCompiler` whose results are `OutputCode`s, and in
+bundled mode stores those results pickled inside the entry, next to everything its runtime
+wrappers need (input mutations, aliasing, the backward).  torchfuse's result, `TorchfuseCode`,
+pickles as the aten graph it was compiled from (torch's GraphPickler, fake tensors included),
+the compile's kind and static inputs: on a hit, `post_compile` runs torchfuse's own stages on
+that graph again (tens of milliseconds; the kernels come from the kernel cache), and Dynamo's
+trace is all that precedes it.
+
+The entry's key hashes the Dynamo graph, its inputs and torch's configs; torchfuse's source and
+`Config` must be in it too, or a stale entry would load.  AOTAutograd hashes the UUID of Inductor's
+custom-pass slots for exactly this purpose (a pass that runs after the lookup provides its own
+identity), so the key carries ours through `post_grad_custom_post_pass`, patched only while
+AOTAutograd runs for torchfuse (Inductor never runs there, so the slot is never called).
+
+Anything this torch does not provide (2.11 through 2.13 differ in these internals) turns the graph
+cache off with a debug log line: compiles then behave as without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from ..counters import counters
+
+log = logging.getLogger("torchfuse")
+
+# (kind, gm, static input positions, training state) -> the boxed compiled callable
+Compile = Callable[[str, fx.GraphModule, set, Any], Callable]
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    """A hash of torchfuse's own source: any change to the compiler invalidates every entry."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def config_key(config: Config) -> str:
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+              if f.name not in ("debug", "debug_dir", "cache_dir")}   # where files go, not what is built
+    return hashlib.sha256(f"{source_hash()}|{sorted(fields.items())!r}".encode()).hexdigest()[:32]
+
+
+def _torch_parts() -> tuple[Any, Any, Any, Any] | None:
+    try:
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+        from torch._inductor.output_code import OutputCode
+        from torch.fx._graph_pickler import GraphPickler
+    except ImportError as e:
+        log.debug("torchfuse: graph cache off: %s", e)
+        return None
+    return SerializableAOTDispatchCompiler, CustomGraphPass, OutputCode, GraphPickler
+
+
+try:
+    from torch._inductor.output_code import OutputCode as _OutputCode
+except ImportError:          # the graph cache is then off (_torch_parts)
+    _OutputCode = object  # type: ignore[assignment,misc]
+
+
+class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
+    """A torchfuse-compiled aten graph as AOTAutograd's cache stores it (a module-level class:
+    pickle finds it by name)."""
+
+    def __init__(self, call: Callable, graph: bytes, kind: str, static: set, training: Any, key: str):
+        super().__init__()
+        self._boxed_call = True
+        self._call: Callable | None = call
+        self._graph, self._kind, self._static, self._training = graph, kind, set(static), training
+        self._key = key
+
+    def __call__(self, inputs: list) -> Any:
+        return self._call(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        if not self._graph:
+            from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+            raise BypassAOTAutogradCache("torchfuse: the graph could not be pickled")
+        self._call = None      # the code stays behind
+
+    def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
+        if self._call is not None:
+            return
+        from torch._guards import detect_fake_mode
+        from torch.fx._graph_pickler import GraphPickler
+        fake_mode = detect_fake_mode(example_inputs)
+        if fake_mode is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            fake_mode = FakeTensorMode()
+        gm = GraphPickler.loads(self._graph, fake_mode)
+        gm.recompile()
+        compile = _compilers.get(self._key)
+        if compile is None:
+            raise RuntimeError("torchfuse: a cached graph was loaded before any torchfuse backend "
+                               "with its Config ran in this process")
+        counters.bump("graph_cache_hits")
+        self._call = compile(self._kind, gm, self._static, self._training)
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        pass
+
+
+# config key -> the compile function of the latest backend with that Config: a hit's
+# post_compile (inside AOTAutograd, or later for a backward loaded lazily) compiles with it
+_compilers: dict[str, Compile] = {}
+
+
+def serializable(kind: str, compile: Compile, static: Callable[[], set], training: Any,
+                 config: Config) -> Callable | None:
+    """AOTAutograd's compiler for `kind` whose results the graph cache can store, or None when
+    this torch lacks the parts (the caller then uses a plain compiler)."""
+    parts = _torch_parts()
+    if parts is None:
+        return None
+    SerializableAOTDispatchCompiler, _, _, GraphPickler = parts
+    key = config_key(config)
+
+    def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Any:
+        positions = static()
+        try:
+            graph = GraphPickler.dumps(gm, **_pickle_options())     # before torchfuse's passes rewrite it
+        except Exception as e:     # a graph the pickler cannot carry: compiled, never stored
+            log.debug("torchfuse: graph cache: %s not stored: %s: %s", kind, type(e).__name__, e)
+            graph = b""
+        return TorchfuseCode(compile(kind, gm, positions, training), graph, kind, positions, training, key)
+
+    return SerializableAOTDispatchCompiler(TorchfuseCode, compile_fn)
+
+
+def _pickle_options() -> dict:
+    """The pickler's default op filter (ops importable anywhere) plus prims, which torchfuse's
+    decompositions leave in its graphs (prims.var, prims.convert_element_type)."""
+    try:
+        from torch.fx._graph_pickler import Options, _ops_filter_safe
+    except ImportError:
+        return {}
+    return {"options": Options(ops_filter=lambda name: name.startswith("torch.ops.prims.") or _ops_filter_safe(name))}
+
+
+@contextlib.contextmanager
+def enabled(config: Config, compile: Compile) -> Iterator[bool]:
+    """Within the block, AOTAutograd's bundled cache is on and keyed by torchfuse's source and
+    `config` too; yields whether it is (False: this torch cannot)."""
+    parts = _torch_parts()
+    if parts is None or not config.graph_cache:
+        yield False
+        return
+    _, CustomGraphPass, _, _ = parts
+    key = config_key(config)
+    _compilers[key] = compile
+
+    class TorchfuseKey(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:    # never run: Inductor does not compile here
+            pass
+
+        def uuid(self) -> str:
+            return f"torchfuse-{key}"
+
+    try:
+        patches = contextlib.ExitStack()
+        functorch = {"enable_autograd_cache": True, "bundled_autograd_cache": True}
+        if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+            # the entry is written once the backward is compiled: now, while the patches hold,
+            # not at the first backward call
+            functorch["force_non_lazy_backward_lowering"] = True
+        patches.enter_context(torch._functorch.config.patch(**functorch))
+        patches.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=TorchfuseKey()))
+        # entries go under torchfuse's cache directory, next to its kernels (one place to trust,
+        # bound and clear), not Inductor's
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+        folder = str(Path(config.cache_dir) / "graphs")
+        patches.enter_context(mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)))
+    except (AttributeError, ImportError, RuntimeError, TypeError) as e:
+        log.debug("torchfuse: graph cache off: %s", e)
+        yield False
+        return
+    with patches:
+        yield True

@@ -1,0 +1,96 @@
+"""The graph-level cache (frontend/graph_cache.py): a restart loads each compiled graph from
+AOTAutograd's bundled cache, under torchfuse's cache directory, instead of tracing it again.
+
+Each case runs fresh processes sharing one cache directory; a child compiles a conv + batch norm
++ MLP model, runs a training step and an inference call, compares both with eager, and reports
+AOTAutograd's cache counters and torchfuse's `graph_cache_hits`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CHILD = r'''
+import json, os, sys
+import torch, torchfuse
+from torch._dynamo.utils import counters as torch_counters
+from torchfuse.frontend import graph_cache
+options = json.loads(sys.argv[1])
+if os.environ.get("FAKE_TORCHFUSE_SOURCE"):        # as if torchfuse's code had changed
+    graph_cache.source_hash = lambda: os.environ["FAKE_TORCHFUSE_SOURCE"]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                            torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 5, 4))
+eager = torch.nn.Sequential(*[m for m in model])
+state = {k: v.clone() for k, v in model.state_dict().items()}
+x = torch.randn(3, 3, 6, 5)
+compiled = torchfuse.compile(model, options=options)
+compiled(x).square().mean().backward()
+grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+model.load_state_dict(state)
+eager(x).square().mean().backward()
+err = max((g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters()))
+model.eval()
+with torch.no_grad():
+    err = max(err, (compiled(x) - eager(x)).abs().max().item())
+print("RESULT", json.dumps({"aot": dict(torch_counters["aot_autograd"]),
+                            "hits": torchfuse.counters["graph_cache_hits"], "err": err}))
+'''
+
+
+def _run(cache: Path, options: dict | None = None, **env: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(options or {})], capture_output=True, text=True,
+                          env=dict(os.environ, TORCHFUSE_CACHE_DIR=str(cache), **env), timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[7:])
+            assert out["err"] < 1e-4, out
+            return out
+    raise AssertionError(proc.stderr[-3000:])
+
+
+def _start(cache: Path, options: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(options or {})], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TORCHFUSE_CACHE_DIR=str(cache)))
+
+
+def test_restart_loads_graphs_and_changes_miss(tmp_path):
+    cold = _run(tmp_path)
+    assert cold["aot"].get("autograd_cache_saved") == 2 and cold["hits"] == 0, cold   # training + inference
+    assert (tmp_path / "graphs").is_dir()
+    warm = _run(tmp_path)
+    # AOTAutograd traced nothing: forward, backward and inference graphs came from the cache
+    assert warm["aot"].get("autograd_cache_hit") == 2 and not warm["aot"].get("autograd_cache_miss"), warm
+    assert warm["hits"] == 3, warm
+    other_config = _run(tmp_path, {"inline_max_cost": 11})
+    assert other_config["aot"].get("autograd_cache_miss") == 2 and other_config["hits"] == 0, other_config
+    other_source = _run(tmp_path, FAKE_TORCHFUSE_SOURCE="0" * 32)
+    assert other_source["aot"].get("autograd_cache_miss") == 2 and other_source["hits"] == 0, other_source
+    off = _run(tmp_path, {"graph_cache": False})
+    assert not off["aot"].get("autograd_cache_hit") and off["hits"] == 0, off
+
+
+def test_damaged_entries_are_rebuilt(tmp_path):
+    _run(tmp_path)
+    entries = [p for p in (tmp_path / "graphs").rglob("*") if p.is_file()]
+    assert entries
+    for k, p in enumerate(entries):          # truncated, or overwritten with other bytes
+        data = p.read_bytes()
+        p.write_bytes(data[: len(data) // 2] if k % 2 == 0 else bytes(reversed(data)))
+    rebuilt = _run(tmp_path)                 # correct results (checked in _run), nothing loaded
+    assert rebuilt["hits"] == 0, rebuilt
+    again = _run(tmp_path)
+    assert again["aot"].get("autograd_cache_hit") == 2 and again["hits"] == 3, again
+
+
+def test_two_processes_racing_on_one_cache(tmp_path):
+    procs = [_start(tmp_path) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        result = next((json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")), None)
+        assert result is not None and result["err"] < 1e-4, err[-3000:]
+    after = _run(tmp_path)
+    assert after["aot"].get("autograd_cache_hit") == 2 and after["hits"] == 3, after
