@@ -17,9 +17,11 @@ class KernelInfo:
     source: str                  # the kernel's own source text
     nodes: list[str]             # the aten nodes fused into it (e.g. "mul_1: aten.mul.Tensor")
     kind: str = "pointwise"      # "pointwise" or "reduction"
+    graph: str = ""              # the compiled graph it belongs to, e.g. "graph3_backward"
 
     def __str__(self) -> str:
-        return f"{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
+        where = f"{self.graph}." if self.graph else ""
+        return f"{where}{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
 
 
 @dataclass

@@ -94,3 +94,28 @@ def test_two_processes_racing_on_one_cache(tmp_path):
         assert result is not None and result["err"] < 1e-4, err[-3000:]
     after = _run(tmp_path)
     assert after["aot"].get("autograd_cache_hit") == 2 and after["hits"] == 3, after
+
+
+def test_a_failing_graph_cache_turns_itself_off(monkeypatch, caplog):
+    """If compiling through the graph cache raises (torch internals differ between versions),
+    the graph compiles without it, one warning says so, and later compiles skip it."""
+    import logging
+
+    import torch
+
+    import torchfuse
+    from torchfuse.frontend import graph_cache
+
+    def broken(*args, **kwargs):
+        raise TypeError("this torch's SerializableAOTDispatchCompiler takes other arguments")
+
+    monkeypatch.setattr(graph_cache, "serializable", broken)
+    monkeypatch.setattr(graph_cache, "_off_reason", None)
+    fn = lambda x: torch.relu(x * 2) + 1  # noqa: E731
+    x = torch.randn(5, 3)
+    with caplog.at_level(logging.WARNING, logger="torchfuse"):
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torchfuse.compile(fn)(x), fn(x))
+    assert graph_cache._off_reason is not None
+    assert sum("graph cache is off" in r.message for r in caplog.records) == 1

@@ -61,20 +61,33 @@ class TorchfuseBackend:
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.partitioners import default_partition
         partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
-        training = cudagraphs.TrainingState()
-        with graph_cache.enabled(config, backend._compile) as cached, counters.timed("backend"):
-            # (AOTAutograd + every compile_graph it calls, or the cache's load)
-            aot = aot_autograd(fw_compiler=backend._compiler("forward", training, cached),
-                               bw_compiler=backend._compiler("backward", training, cached),
-                               inference_compiler=backend._compiler("inference", training, cached),
-                               decompositions=decomposition_table(), partition_fn=partition,
-                               # input mutations stay in the graph as copy_ (inference graphs,
-                               # and in training the ones autograd cannot see: batch norm's
-                               # running statistics), so the kernel computing the new value
-                               # writes the input itself (runtime/wrapper.py) instead of
-                               # AOTAutograd copying each after
-                               keep_inference_input_mutations=True)
-            return aot(gm, example_inputs)
+        def compile_with_aot(use_cache: bool) -> Callable:
+            training = cudagraphs.TrainingState()
+            with graph_cache.enabled(config, backend._compile, use_cache) as cached, counters.timed("backend"):
+                # (AOTAutograd + every compile_graph it calls, or the cache's load)
+                aot = aot_autograd(fw_compiler=backend._compiler("forward", training, cached),
+                                   bw_compiler=backend._compiler("backward", training, cached),
+                                   inference_compiler=backend._compiler("inference", training, cached),
+                                   decompositions=decomposition_table(), partition_fn=partition,
+                                   # input mutations stay in the graph as copy_ (inference graphs,
+                                   # and in training the ones autograd cannot see: batch norm's
+                                   # running statistics), so the kernel computing the new value
+                                   # writes the input itself (runtime/wrapper.py) instead of
+                                   # AOTAutograd copying each after
+                                   keep_inference_input_mutations=True)
+                return aot(gm, example_inputs), cached
+
+        try:
+            return compile_with_aot(True)[0]
+        except Exception as e:
+            if not graph_cache.usable(config):
+                raise
+            # The graph cache leans on AOTAutograd internals that differ between torch
+            # versions: if the compile fails with it, compile without it (an error of the
+            # compile itself then raises again, below) and leave it off for this process.
+            compiled = compile_with_aot(False)[0]
+            graph_cache.turn_off(f"{type(e).__name__}: {e}")
+            return compiled
 
 
 def _static_input_indices() -> set[int]:

@@ -105,8 +105,7 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         if fake_mode is None:
             from torch._subclasses.fake_tensor import FakeTensorMode
             fake_mode = FakeTensorMode()
-        gm = GraphPickler.loads(self._graph, fake_mode)
-        gm.recompile()
+        gm = GraphPickler.loads(self._graph, fake_mode)     # (a GraphModule: its code is generated)
         compile = _compilers.get(self._key)
         if compile is None:
             raise RuntimeError("torchfuse: a cached graph was loaded before any torchfuse backend "
@@ -155,12 +154,28 @@ def _pickle_options() -> dict:
     return {"options": Options(ops_filter=lambda name: name.startswith("torch.ops.prims.") or _ops_filter_safe(name))}
 
 
+_off_reason: str | None = None
+
+
+def turn_off(reason: str) -> None:
+    """No graph cache for the rest of this process (a compile failed with it, not without)."""
+    global _off_reason
+    if _off_reason is None:
+        log.warning("torchfuse: the graph cache is off for this process: compiling with it failed (%s)",
+                    reason.splitlines()[0][:300] if reason else "")
+    _off_reason = reason
+
+
+def usable(config: Config) -> bool:
+    return config.graph_cache and _off_reason is None and _torch_parts() is not None
+
+
 @contextlib.contextmanager
-def enabled(config: Config, compile: Compile) -> Iterator[bool]:
+def enabled(config: Config, compile: Compile, wanted: bool = True) -> Iterator[bool]:
     """Within the block, AOTAutograd's bundled cache is on and keyed by torchfuse's source and
-    `config` too; yields whether it is (False: this torch cannot)."""
+    `config` too; yields whether it is (False: not `wanted`, off, or this torch cannot)."""
     parts = _torch_parts()
-    if parts is None or not config.graph_cache:
+    if not (wanted and usable(config)) or parts is None:
         yield False
         return
     _, CustomGraphPass, _, _ = parts

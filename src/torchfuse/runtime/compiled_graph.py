@@ -171,7 +171,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
             else:
                 unique[canon] = kernel.name
                 sources.append(src)
-            infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind))
+            infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name))
     except NotImplementedError as e:
         if config.strict:
             raise
