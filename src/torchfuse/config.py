@@ -23,6 +23,10 @@ def _default_cache_dir() -> Path:
 
 @dataclass(frozen=True)
 class Config:
+    """Every torchfuse option, one typed field each.  Build one with `Config.from_options(
+    options, mode)`, which checks every value; `torch.compile(..., backend="torchfuse",
+    options={...})` and `torchfuse.compile` do that for you."""
+
     # --- behaviour on failure -------------------------------------------------------------
     strict: bool = False
     """Raise instead of warning and falling back to eager when a kernel fails to build."""
@@ -31,12 +35,20 @@ class Config:
     debug: bool = False
     """Write every stage of every compiled graph to `debug_dir`."""
     debug_dir: Path = Path("torchfuse_debug")
+    """Where `debug` writes (TORCHFUSE_DEBUG=<folder> sets both)."""
 
     # --- kernel cache / C++ toolchain -------------------------------------------------------
     cache_dir: Path = field(default_factory=_default_cache_dir)
+    """The on-disk cache of built kernels and compiled graphs: $TORCHFUSE_CACHE_DIR, else
+    $XDG_CACHE_HOME/torchfuse or ~/.cache/torchfuse."""
     cxx: str = "g++"
+    """The C++ compiler building CPU kernels."""
     cxx_flags: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-std=c++17",
                                   "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
+    """Every flag of the C++ compiler (replacing these drops -shared -fPIC -fopenmp: to add a
+    flag, use `extra_cxx_flags`)."""
+    extra_cxx_flags: tuple[str, ...] = ()
+    """Flags added after `cxx_flags` (e.g. ("-mno-avx512f",) or ("-g",))."""
     graph_cache: bool = True
     """Store each compiled graph in AOTAutograd's on-disk cache (bundled mode), keyed by the graph,
     torch's configs, torchfuse's source and this Config: a restart loads it instead of tracing
@@ -95,7 +107,7 @@ class Config:
 
     # --- backends ---------------------------------------------------------------------------
     cpu_backend: str = "cpp"
-    """'cpp' (C++/OpenMP), 'triton' (Triton, under TRITON_INTERPRET=1 on CPU) or 'interpreter'."""
+    """'cpp' (C++/OpenMP) or 'triton' (Triton, under TRITON_INTERPRET=1 on CPU: for testing)."""
     num_threads: int = 0
     """OpenMP threads for CPU kernels; 0 means torch.get_num_threads()."""
     parallel_threshold: int = 32768
@@ -134,16 +146,94 @@ class Config:
         unknown = sorted(set(merged) - set(known))
         if unknown:
             raise ValueError(f"torchfuse: unknown option(s) {unknown}; valid options are {sorted(known)}")
-        if merged.get("partitioner", "min_cut") not in ("min_cut", "default"):
-            raise ValueError(f"torchfuse: unknown partitioner {merged['partitioner']!r}; "
-                             "valid partitioners are ['default', 'min_cut']")
-        for key in ("cache_dir", "debug_dir"):
-            if key in merged:
-                merged[key] = Path(merged[key])
-        for key in ("cxx_flags", "passes", "fallback_ops", "conv_bn_fold_devices", "cublas_devices"):
-            if key in merged:
-                merged[key] = tuple(merged[key])
-        return Config(**merged)
+        return Config(**{name: _checked(name, value) for name, value in merged.items()})
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+# Values an option may take beyond its type, checked up front so a typo fails with the valid
+# choices instead of deep inside a compile (or, worse, silently meaning something else).
+_CHOICES: dict[str, tuple[str, ...]] = {"cpu_backend": ("cpp", "triton"), "partitioner": ("default", "min_cut")}
+_NON_NEGATIVE = ("num_threads", "compile_workers", "cudagraph_max_sizes", "memory_cache_size", "parallel_threshold",
+                 "inline_max_cost", "max_fusion_size", "split_min_chunk")
+
+
+def _checked(name: str, value: Any) -> Any:
+    """`value` for option `name`, converted (paths, tuples) and checked; ValueError otherwise."""
+    import typing
+    kind = typing.get_type_hints(Config)[name]
+
+    def bad(expected: str) -> ValueError:
+        return ValueError(f"torchfuse: option {name}={value!r} must be {expected}")
+
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise bad("True or False")
+    elif kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an int")
+        if name in _NON_NEGATIVE and value < 0:
+            raise bad("0 or more")
+    elif kind is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        if name in _CHOICES and value not in _CHOICES[name]:
+            raise bad(f"one of {list(_CHOICES[name])}")
+    elif kind is Path:
+        if not isinstance(value, (str, os.PathLike)):
+            raise bad("a path")
+        value = Path(value)
+    elif typing.get_origin(kind) is tuple:
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
+                not all(isinstance(v, str) for v in value):
+            raise bad("a list of strings")
+        value = tuple(value)
+        if name == "passes":
+            from .passes import REGISTRY
+            unknown = [v for v in value if v not in REGISTRY]
+            if unknown:
+                raise ValueError(f"torchfuse: unknown pass(es) {unknown}; valid passes are {sorted(REGISTRY)}")
+        elif name == "fallback_ops":
+            unknown = [v for v in value if _aten_op(v) is None]
+            if unknown:
+                raise ValueError(f"torchfuse: fallback_ops {unknown} name no op; write them as torch prints "
+                                 "them, e.g. 'aten.gelu.default'")
+    return value
+
+
+def _aten_op(name: str) -> Any:
+    """torch.ops.<namespace>.<op>.<overload> for 'aten.gelu.default', or None."""
+    import torch
+    parts = name.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _document_options() -> None:
+    """Config's docstring lists every option with the text under its field in this file, so
+    `help(torchfuse.Config)` shows what each option means (a dataclass keeps no field docs)."""
+    import ast
+    import inspect
+    try:
+        tree = ast.parse(inspect.getsource(Config))
+    except (OSError, TypeError):        # no source (a zipped install): keep the short docstring
+        return
+    body = tree.body[0].body
+    lines = [Config.__doc__ or "", "", "Options (pass as options={...}; modes set some of them):", ""]
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            default = ast.get_source_segment(inspect.getsource(Config), node.value) if node.value else ""
+            doc = after.value.value if (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                                        and isinstance(after.value.value, str)) else ""
+            shown = "" if default.startswith("field(") else f" = {' '.join(default.split())}"
+            lines.append(f"{node.target.id}{shown}")
+            lines += ["    " + line.strip() for line in doc.strip().splitlines()] + [""]
+    Config.__doc__ = "\n".join(lines)
+
+
+_document_options()

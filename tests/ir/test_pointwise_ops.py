@@ -6,10 +6,11 @@ step-sliced, size-1 dims, 0-d, empty).
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
+
+import torchfuse
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int32, torch.int64]
@@ -626,3 +627,17 @@ def test_float32_transcendentals_wide_range(tf):
     # eager's GELU of +-inf is NaN in its AVX-512 loop and +-inf in its AVX2 one: not compared
     finite = torch.where(x.isinf(), 0.0, x)
     tf.check(lambda x, finite: (F.gelu(finite), F.silu(x), F.softplus(x), torch.logsumexp(x[:4001], 0)), x, finite)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_runs_through_aten_around_fused_kernels(dtype):
+    """float8 has no kernel code: the ops touching it (casts in and out, views) run through ATen,
+    bit for bit as eager, and the float32 work between them is still one fused kernel."""
+    def fn(x, s):
+        return (x.to(torch.float32) * s).relu().add(0.5).to(dtype).view(4, 32).t()
+
+    x = (torch.randn(8, 16) * 3).to(dtype)
+    e = torchfuse.explain(fn, x, 2.0)
+    assert e.output.dtype == dtype and torch.equal(e.output.view(torch.uint8), fn(x, 2.0).view(torch.uint8))
+    assert len(e.kernels) == 1, str(e)
+    assert all("float8" in f.reason for f in e.fallbacks), [f.reason for f in e.fallbacks]

@@ -366,6 +366,9 @@ class GraphLowering:
             return
         lowering = LOWERINGS.get(target)
         reason = "no lowering for this op"
+        odd = _dtype_without_kernels(node)
+        if odd is not None:
+            lowering, reason = None, f"no kernel code for {odd} (float8, complex, ... run through ATen)"
         if lowering is not None and str(target) not in self.forced_fallbacks:
             args, kwargs = self._args(node)
             try:
@@ -571,3 +574,19 @@ def _output_names(program: LoweredGraph) -> set[str]:
         if isinstance(s, AliasView) and s.name in names:
             names.add(s.base)
     return names
+
+
+# The dtypes both code generators read and write; an op touching any other (float8 formats,
+# complex, uint16/32/64) runs through ATen, value for value as eager.
+KERNEL_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                           torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
+def _dtype_without_kernels(node: fx.Node) -> torch.dtype | None:
+    """A tensor dtype among the node's inputs and outputs that no kernel can hold, if any."""
+    values = [meta_val(node)] + [meta_val(a) for a in node.all_input_nodes]
+    for v in values:
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.dtype not in KERNEL_DTYPES:
+                return t.dtype
+    return None

@@ -46,14 +46,33 @@ class DebugWriter:
         self.dir: Path | None = Path(config.debug_dir) / name if config.debug else None
         self.step = 0
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:      # debugging output must never stop a compile
+                _warn_debug_once(f"torchfuse: cannot write the debug folder {self.dir} ({e}); compiling "
+                                 "without it (set TORCHFUSE_DEBUG or options['debug_dir'] to a writable folder)")
+                self.dir = None
 
     def write(self, stage: str, text: str | Callable[[], str]) -> None:
         """`text` may be a function, so a stage is printed only when debugging."""
         if self.dir is None:
             return
-        (self.dir / f"{self.step:02d}_{stage}").write_text(text() if callable(text) else text)
+        try:
+            (self.dir / f"{self.step:02d}_{stage}").write_text(text() if callable(text) else text)
+        except OSError as e:
+            _warn_debug_once(f"torchfuse: cannot write to the debug folder {self.dir} ({e}); compiling without it")
+            self.dir = None
         self.step += 1
+
+
+_debug_warned = False
+
+
+def _warn_debug_once(message: str) -> None:
+    global _debug_warned
+    if not _debug_warned:
+        warnings.warn(message)
+        _debug_warned = True
 
 
 def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: str = "forward",
