@@ -41,6 +41,10 @@ class Config:
     cache_dir: Path = field(default_factory=_default_cache_dir)
     """The on-disk cache of built kernels and compiled graphs: $TORCHFUSE_CACHE_DIR, else
     $XDG_CACHE_HOME/torchfuse or ~/.cache/torchfuse."""
+    cache_group_writable: bool = False
+    """Load cached code from a cache directory its group can write to (a team's shared folder).
+    Otherwise only a directory of your own that nobody else can write to is used; any other gets
+    a warning and a private per-process folder (runtime/cache_dir.py)."""
     cxx: str = "g++"
     """The C++ compiler building CPU kernels."""
     cxx_flags: tuple[str, ...] = ("-O3", "-march=native", "-fopenmp", "-std=c++17",

@@ -201,7 +201,8 @@ def enabled(config: Config, compile: Compile, wanted: bool = True) -> Iterator[b
         # entries go under torchfuse's cache directory, next to its kernels (one place to trust,
         # bound and clear), not Inductor's
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
-        folder = str(Path(config.cache_dir) / "graphs")
+        from ..runtime.cache_dir import cache_folder
+        folder = str(cache_folder(config, "graphs"))
         patches.enter_context(mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)))
     except (AttributeError, ImportError, RuntimeError, TypeError) as e:
         log.debug("torchfuse: graph cache off: %s", e)

@@ -28,6 +28,7 @@ import filelock
 
 from ..config import Config
 from ..counters import counters
+from .cache_dir import cache_folder
 
 __all__ = ["CompileError", "CompilerNotFound", "load_library", "cache_key", "clear_memory_cache"]
 
@@ -252,7 +253,7 @@ def _compile(source: str, key: str, config: Config) -> bytes:
 
 
 def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
-    so = Path(config.cache_dir) / "cpp" / key[:2] / f"{key}.so"
+    so = cache_folder(config, "cpp") / key[:2] / f"{key}.so"
     meta = so.with_suffix(".json")
     # Fast path without the lock: published entries are immutable and self-checking.
     lib = _try_load(so, meta, quiet=True)
@@ -260,7 +261,7 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         counters.bump("cache_hits_disk")
         return lib
     try:
-        so.parent.mkdir(parents=True, exist_ok=True)
+        so.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         lock = filelock.FileLock(str(so.with_suffix(".lock")), timeout=_LOCK_TIMEOUT_S)
         lock.acquire()
     except OSError as err:  # read-only / missing permissions / not a directory / lock timeout

@@ -60,7 +60,8 @@ def load_module(source: str, config: Config) -> ModuleType:
         _autotune_modules[module.__name__] = module._tf_autotune = config.autotune
         return module
     try:
-        folder = Path(config.cache_dir) / "triton"
+        from .cache_dir import cache_folder
+        folder = cache_folder(config, "triton")
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         folder = Path(tempfile.mkdtemp(prefix="torchfuse-triton-"))

@@ -1,0 +1,86 @@
+"""Trust before load (runtime/cache_dir.py): compiled code is loaded only from a cache directory
+of the current user that nobody else can write to; any other gets one warning and a private
+folder, and a library planted there is never opened."""
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import warnings
+
+import pytest
+import torch
+
+import torchfuse
+from torchfuse.runtime import cache_dir, cpp_build
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_checks(monkeypatch):
+    monkeypatch.setattr(cache_dir, "_checked", {})
+    monkeypatch.setattr(cpp_build, "_memory", type(cpp_build._memory)())   # no library loaded in memory
+
+
+def _opened_libraries(monkeypatch) -> list[str]:
+    opened: list[str] = []
+    real = ctypes.CDLL
+
+    def recording(name, *args, **kwargs):
+        opened.append(str(name))
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(ctypes, "CDLL", recording)
+    return opened
+
+
+def _compile_and_check(root, **options):
+    fn = lambda x: torch.sigmoid(x) * 3 - x  # noqa: E731
+    x = torch.randn(41, 3)
+    e = torchfuse.explain(fn, x, options={"cache_dir": root, "graph_cache": False, **options})
+    torch.testing.assert_close(e.output, fn(x))
+
+
+@pytest.mark.parametrize("mode, group_ok", [(0o777, False), (0o775, False), (0o1777, False)])
+def test_writable_by_others_is_refused(tmp_path, monkeypatch, mode, group_ok):
+    root = tmp_path / "shared"
+    (root / "cpp").mkdir(parents=True)
+    planted = root / "cpp" / "planted.so"
+    planted.write_bytes(b"not a library")
+    root.chmod(mode)
+    opened = _opened_libraries(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compile_and_check(root, cache_group_writable=group_ok)
+        _compile_and_check(root, cache_group_writable=group_ok)
+    said = [str(w.message) for w in caught if "not loading compiled code" in str(w.message)]
+    assert len(said) == 1 and str(root) in said[0] and "chmod go-w" in said[0], said
+    assert opened and not any(p.startswith(str(root)) for p in opened), opened
+    assert not any(p.is_file() and p.suffix == ".so" for p in (root / "cpp").rglob("*") if p != planted)
+
+
+def test_group_writable_with_opt_in_is_used(tmp_path, monkeypatch):
+    root = tmp_path / "team"
+    root.mkdir()
+    root.chmod(0o770)
+    opened = _opened_libraries(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _compile_and_check(root, cache_group_writable=True)
+    assert any(p.startswith(str(root / "cpp")) for p in opened), opened
+
+
+def test_someone_elses_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(tmp_path).st_uid + 1)   # as if another user ran
+    assert "belongs to user id" in cache_dir.untrusted_because(tmp_path, False)
+
+
+def test_own_private_folder_is_used_and_new_folders_are_0700(tmp_path, monkeypatch):
+    root = tmp_path / "mine"
+    opened = _opened_libraries(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _compile_and_check(root)
+    assert any(p.startswith(str(root / "cpp")) for p in opened), opened
+    for folder in (root, root / "cpp"):
+        assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0, oct(folder.stat().st_mode)
