@@ -189,8 +189,8 @@ def enabled(config: Config, compile: Compile, wanted: bool = True) -> Iterator[b
         def uuid(self) -> str:
             return f"torchfuse-{key}"
 
+    patches = contextlib.ExitStack()
     try:
-        patches = contextlib.ExitStack()
         functorch = {"enable_autograd_cache": True, "bundled_autograd_cache": True}
         if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
             # the entry is written once the backward is compiled: now, while the patches hold,
@@ -205,6 +205,7 @@ def enabled(config: Config, compile: Compile, wanted: bool = True) -> Iterator[b
         folder = str(cache_folder(config, "graphs"))
         patches.enter_context(mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)))
     except (AttributeError, ImportError, RuntimeError, TypeError) as e:
+        patches.close()          # undo the patches that did apply
         log.debug("torchfuse: graph cache off: %s", e)
         yield False
         return
