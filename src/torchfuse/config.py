@@ -41,6 +41,9 @@ class Config:
     cache_dir: Path = field(default_factory=_default_cache_dir)
     """The on-disk cache of built kernels and compiled graphs: $TORCHFUSE_CACHE_DIR, else
     $XDG_CACHE_HOME/torchfuse or ~/.cache/torchfuse."""
+    cache_max_bytes: int = 4 << 30
+    """Bound on the on-disk cache (C++ libraries and compiled graphs); past it the least
+    recently used entries are removed, by whichever process adds one.  0: unbounded."""
     cache_group_writable: bool = False
     """Load cached code from a cache directory its group can write to (a team's shared folder).
     Otherwise only a directory of your own that nobody else can write to is used; any other gets
@@ -159,7 +162,7 @@ class Config:
 # Values an option may take beyond its type, checked up front so a typo fails with the valid
 # choices instead of deep inside a compile (or, worse, silently meaning something else).
 _CHOICES: dict[str, tuple[str, ...]] = {"cpu_backend": ("cpp", "triton"), "partitioner": ("default", "min_cut")}
-_NON_NEGATIVE = ("num_threads", "compile_workers", "cudagraph_max_sizes", "memory_cache_size", "parallel_threshold",
+_NON_NEGATIVE = ("cache_max_bytes", "num_threads", "compile_workers", "cudagraph_max_sizes", "memory_cache_size", "parallel_threshold",
                  "inline_max_cost", "max_fusion_size", "split_min_chunk")
 
 

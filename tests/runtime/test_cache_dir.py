@@ -84,3 +84,68 @@ def test_own_private_folder_is_used_and_new_folders_are_0700(tmp_path, monkeypat
     assert any(p.startswith(str(root / "cpp")) for p in opened), opened
     for folder in (root, root / "cpp"):
         assert stat.S_IMODE(folder.stat().st_mode) & 0o077 == 0, oct(folder.stat().st_mode)
+
+
+def _cpp_bytes(root) -> int:
+    return sum(p.stat().st_size for p in (root / "cpp").rglob("*") if p.suffix in (".so", ".json"))
+
+
+def _distinct_functions(n: int):
+    return [(lambda k: (lambda x: torch.tanh(x * (k + 1.5)) + k))(k) for k in range(n)]
+
+
+def test_cache_stays_under_its_limit(tmp_path, monkeypatch):
+    """Eight distinct kernels into a cache bounded at about three of them: it ends under the
+    bound, the newest entry is kept, and every result is eager's."""
+    monkeypatch.setattr(cache_dir, "_MEASURE_EVERY_S", 0.0)
+    root = tmp_path / "bounded"
+    x = torch.randn(33, 4)
+    fns = _distinct_functions(8)
+    torchfuse.explain(fns[0], x, options={"cache_dir": root, "graph_cache": False})
+    one = _cpp_bytes(root)
+    limit = 3 * one + one // 2
+    for fn in fns:
+        e = torchfuse.explain(fn, x, options={"cache_dir": root, "graph_cache": False, "cache_max_bytes": limit})
+        torch.testing.assert_close(e.output, fn(x))
+    assert 0 < _cpp_bytes(root) <= limit, (_cpp_bytes(root), limit)
+    newest = max((root / "cpp").rglob("*.json"), key=lambda p: p.stat().st_mtime)
+    assert newest.with_suffix(".so").exists()
+
+
+def test_entry_being_built_is_never_evicted(tmp_path):
+    import filelock
+    root = tmp_path / "c"
+    x = torch.randn(9, 4)
+    for fn in _distinct_functions(2):
+        torchfuse.explain(fn, x, options={"cache_dir": root, "graph_cache": False})
+    metas = sorted((root / "cpp").rglob("*.json"))
+    held = filelock.FileLock(str(metas[0].with_suffix(".lock")))
+    with held:
+        config = torchfuse.Config.from_options({"cache_dir": root, "cache_max_bytes": 1})
+        cache_dir.enforce_limit(config, force=True)
+    assert metas[0].exists() and metas[0].with_suffix(".so").exists()
+    assert not metas[1].exists() and not metas[1].with_suffix(".so").exists()
+
+
+def test_two_processes_evicting_one_cache(tmp_path):
+    """Two processes compile different kernels into one small cache at once: both give eager's
+    results (a library evicted under a loader is rebuilt, never loaded torn)."""
+    import subprocess
+    import sys
+    child = (
+        "import sys, torch, torchfuse\n"
+        "from torchfuse.runtime import cache_dir\n"
+        "cache_dir._MEASURE_EVERY_S = 0.0\n"
+        "off = int(sys.argv[1])\n"
+        "x = torch.randn(17, 3)\n"
+        "for k in range(6):\n"
+        "    fn = lambda x, k=k: torch.sigmoid(x * (k + off + 0.25)) - k\n"
+        "    e = torchfuse.explain(fn, x, options={'graph_cache': False, 'cache_max_bytes': 60000})\n"
+        "    torch.testing.assert_close(e.output, fn(x))\n"
+        "print('ok')\n")
+    env = dict(os.environ, TORCHFUSE_CACHE_DIR=str(tmp_path / "shared"))
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(off)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for off in (0, 100)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and "ok" in out, err[-3000:]

@@ -74,3 +74,88 @@ def cache_folder(config: Config, name: str) -> Path:
             folder.mkdir(exist_ok=True, mode=0o700)
         _checked[key] = folder
         return folder
+
+
+# --- a bounded cache on disk -----------------------------------------------------------------
+# Entries: a C++ library (<key>.so with its <key>.json sidecar, under cpp/) or a compiled graph
+# (a folder under graphs/).  Each load of a library refreshes its sidecar's mtime (`touch`), so
+# the oldest mtime is the least recently used (for a graph: the least recently written).  After this process adds an entry, the cache is
+# measured (at most every few seconds) and, when over `Config.cache_max_bytes`, the least
+# recently used entries go until it is under 80% of it.  A library is removed only under its
+# build lock (held by a process building it) and sidecar first, so a loader sees a whole entry
+# or none: a half-removed one fails its checksum and is rebuilt, never loaded.
+
+_MEASURE_EVERY_S = 5.0
+_last_measured: dict[str, float] = {}
+
+
+def touch(path: Path) -> None:
+    """Mark a cache entry as just used."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _entries(root: Path) -> list[tuple[float, int, str, Path]]:
+    """(last use, bytes, kind, what to remove) for every entry under `root`."""
+    out = []
+    for meta in (root / "cpp").glob("*/*.json"):
+        so = meta.with_suffix(".so")
+        try:
+            out.append((meta.stat().st_mtime, meta.stat().st_size + (so.stat().st_size if so.exists() else 0),
+                        "cpp", meta))
+        except OSError:
+            continue
+    graphs = root / "graphs"
+    if graphs.is_dir():
+        for entry in graphs.iterdir():
+            try:
+                size = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file()) if entry.is_dir() \
+                    else entry.stat().st_size
+                out.append((entry.stat().st_mtime, size, "graphs", entry))
+            except OSError:
+                continue
+    return out
+
+
+def _remove(kind: str, path: Path) -> bool:
+    import filelock
+    if kind == "cpp":
+        lock = filelock.FileLock(str(path.with_suffix(".lock")), timeout=0)
+        try:
+            lock.acquire()
+        except (filelock.Timeout, OSError):
+            return False                       # being built or read right now: keep it
+        try:
+            path.unlink(missing_ok=True)        # the sidecar first: no sidecar, no load
+            path.with_suffix(".so").unlink(missing_ok=True)
+        except OSError:
+            return False
+        finally:
+            lock.release()
+        return True
+    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return True
+
+
+def enforce_limit(config: Config, force: bool = False) -> int:
+    """Evict least recently used entries while the cache is over `cache_max_bytes`; returns the
+    bytes it holds after.  Measures at most every few seconds per process unless `force`."""
+    import time
+    limit = config.cache_max_bytes
+    root = Path(config.cache_dir)
+    now = time.monotonic()
+    if limit <= 0 or (not force and now - _last_measured.get(str(root), -1e9) < _MEASURE_EVERY_S):
+        return -1
+    _last_measured[str(root)] = now
+    entries = sorted(_entries(root))
+    total = sum(size for _, size, _, _ in entries)
+    if total <= limit:
+        return total
+    for _, size, kind, path in entries:
+        if total <= 0.8 * limit:
+            break
+        if _remove(kind, path):
+            total -= size
+    return total

@@ -28,7 +28,7 @@ import filelock
 
 from ..config import Config
 from ..counters import counters
-from .cache_dir import cache_folder
+from .cache_dir import cache_folder, enforce_limit, touch
 
 __all__ = ["CompileError", "CompilerNotFound", "load_library", "cache_key", "clear_memory_cache"]
 
@@ -166,10 +166,12 @@ def _try_load(so: Path, meta: Path, quiet: bool) -> ctypes.CDLL | None:
         _invalid(so, "checksum mismatch (corrupted or truncated)", quiet)
         return None
     try:
-        return ctypes.CDLL(str(so))
+        lib = ctypes.CDLL(str(so))
     except OSError as err:
         _invalid(so, f"dlopen failed: {err}", quiet)
         return None
+    touch(meta)          # (least recently used entries are the first evicted)
+    return lib
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -283,9 +285,11 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         except OSError as err:  # disk full, quota, filesystem went read-only...
             _warn_unusable(config, err)
             return _load_private(key, data)
-        return ctypes.CDLL(str(so))
+        lib = ctypes.CDLL(str(so))
     finally:
         lock.release()
+    enforce_limit(config)      # a new entry: keep the cache under its bound
+    return lib
 
 
 def load_library(source: str, config: Config) -> ctypes.CDLL:
