@@ -9,6 +9,8 @@ from .config import Config
 from .counters import counters
 from .api import compile, explain, Explanation, KernelInfo, FallbackInfo
 from .lazy import lazy
+from .extend import register_pass, register_decomposition, register_lowering
 
-__all__ = ["Config", "counters", "compile", "explain", "Explanation", "KernelInfo", "FallbackInfo", "lazy"]
+__all__ = ["Config", "counters", "compile", "explain", "Explanation", "KernelInfo", "FallbackInfo", "lazy",
+           "register_pass", "register_decomposition", "register_lowering"]
 __version__ = "0.1.0"

@@ -64,9 +64,10 @@ class Config:
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 
     # --- graph passes ------------------------------------------------------------------------
-    passes: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm",
+    passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "conv_bn_fold", "pad_mm", "unfuse_addmm",
                                "unfuse_conv_bias", "dce")
-    """Names of the aten graph passes to run, in order (see torchfuse.passes.REGISTRY)."""
+    """The aten graph passes to run, in order: registered names (torchfuse.passes.REGISTRY,
+    torchfuse.register_pass), callables (gm, ctx) -> changes, or torch.fx PassBase objects."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu", "cuda")
     """Devices on which conv_bn_fold runs (inference graphs).  The folded weights are computed
     from parameters alone, so they are hoisted out of the per-call path (see `freezing`)."""
@@ -191,17 +192,21 @@ def _checked(name: str, value: Any) -> Any:
         if not isinstance(value, (str, os.PathLike)):
             raise bad("a path")
         value = Path(value)
+    elif name == "passes":
+        if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
+                not all(isinstance(v, str) or callable(v) for v in value):
+            raise bad("a list of pass names, callables (gm, ctx) -> changes, or torch.fx PassBase objects")
+        value = tuple(value)
+        from .passes import REGISTRY
+        unknown = [v for v in value if isinstance(v, str) and v not in REGISTRY]
+        if unknown:
+            raise ValueError(f"torchfuse: unknown pass(es) {unknown}; valid passes are {sorted(REGISTRY)}")
     elif typing.get_origin(kind) is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
                 not all(isinstance(v, str) for v in value):
             raise bad("a list of strings")
         value = tuple(value)
-        if name == "passes":
-            from .passes import REGISTRY
-            unknown = [v for v in value if v not in REGISTRY]
-            if unknown:
-                raise ValueError(f"torchfuse: unknown pass(es) {unknown}; valid passes are {sorted(REGISTRY)}")
-        elif name == "fallback_ops":
+        if name == "fallback_ops":
             unknown = [v for v in value if _aten_op(v) is None]
             if unknown:
                 raise ValueError(f"torchfuse: fallback_ops {unknown} name no op; write them as torch prints "

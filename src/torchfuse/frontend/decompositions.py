@@ -58,4 +58,6 @@ def decomposition_table() -> dict:
             like = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             return stock(grad_output, like, target, weight, reduction, ignore_index, total_weight)
         _table[aten.nll_loss_backward.default] = nll_loss_backward
-    return _table
+    from ..extend import decompositions as user_decompositions
+    extra = user_decompositions()
+    return {**_table, **extra} if extra else _table

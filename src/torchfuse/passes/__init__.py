@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch.fx
 
@@ -48,21 +49,70 @@ DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", 
                                      "dce")
 
 
-def run_passes(gm: torch.fx.GraphModule, names: Sequence[str], ctx: PassContext) -> list[PassRecord]:
-    """Run the passes called `names`, in order, on `gm`; return one record per pass run."""
+def run_passes(gm: torch.fx.GraphModule, names: Sequence[Any], ctx: PassContext) -> list[PassRecord]:
+    """Run the passes `names` (registered names, callables `(gm, ctx) -> changes`, or
+    torch.fx PassBase instances), in order, on `gm`; return one record per pass run.  A pass
+    that is not one of torchfuse's own and raises or breaks the graph is undone, with a warning."""
     if isinstance(names, str):  # a bare string would otherwise be run letter by letter
         names = (names,)
-    unknown = [n for n in names if n not in REGISTRY]
+    unknown = [n for n in names if isinstance(n, str) and n not in REGISTRY]
     if unknown:  # check everything up front so that a typo never leaves a half-rewritten graph
         raise ValueError(f"torchfuse: unknown graph pass(es) {unknown}; valid passes are {sorted(REGISTRY)}")
     records: list[PassRecord] = []
-    for name in names:
+    for item in names:
+        name, fn = _resolve(item)
         before = len(gm.graph.nodes)
         start = time.perf_counter()
-        changes = REGISTRY[name](gm, ctx)
+        if fn in _OWN:
+            changes = fn(gm, ctx)
+        else:
+            changes = _run_user_pass(name, fn, gm, ctx)
         record = PassRecord(name, time.perf_counter() - start, before, len(gm.graph.nodes), int(changes))
         log.debug("%s", record)
         records.append(record)
     gm.graph.lint()
     gm.recompile()
     return records
+
+
+_OWN = frozenset(REGISTRY.values())
+
+
+def _resolve(item: Any) -> tuple[str, Callable]:
+    """(name, fn(gm, ctx) -> changes) for a pass given by name, as a callable, or as a PassBase."""
+    if isinstance(item, str):
+        return item, REGISTRY[item]
+    from torch.fx.passes.infra.pass_base import PassBase
+    if isinstance(item, PassBase):
+        def run(gm: torch.fx.GraphModule, ctx: PassContext, p: PassBase = item) -> int:
+            result = p(gm)
+            if result is not None and result.graph_module is not gm:     # a new module: take its graph
+                gm.graph = result.graph_module.graph
+            return int(bool(result.modified)) if result is not None else 0
+        return type(item).__name__, run
+    if callable(item):
+        return getattr(item, "__name__", type(item).__name__), item
+    raise ValueError(f"torchfuse: a graph pass must be a registered name, a callable (gm, ctx) -> changes or a "
+                     f"torch.fx PassBase, not {item!r}")
+
+
+def _run_user_pass(name: str, fn: Callable, gm: torch.fx.GraphModule, ctx: PassContext) -> int:
+    """Run a pass torchfuse does not own; on an exception or a graph that does not lint, warn
+    and put the graph back as it was."""
+    saved = torch.fx.Graph()
+    saved.output(saved.graph_copy(gm.graph, {}))
+    try:
+        changes = fn(gm, ctx)
+        gm.graph.lint()
+        outputs = [n for n in gm.graph.nodes if n.op == "output"]
+        if len(outputs) != 1:
+            raise RuntimeError(f"the graph has {len(outputs)} output nodes")
+        unknown = [n.name for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta]
+        if unknown:      # the lowering reads every node's fake value
+            raise RuntimeError(f"nodes without meta['val']: {unknown[:5]}")
+        return int(changes or 0)
+    except Exception as e:
+        warnings.warn(f"torchfuse: graph pass {name!r} failed ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                      "it was undone and compilation goes on without it")
+        gm.graph = saved
+        return 0
