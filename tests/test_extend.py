@@ -124,9 +124,17 @@ def _check(e, x, w):
 def test_custom_op_falls_back_then_fuses_after_decomposition():
     op = torch.ops.torchfuse_test.squash.default
     x, w = torch.randn(7, 6), torch.randn(6, 6)
-    e = torchfuse.explain(_model, x, w)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    e = torchfuse.explain(_model, xs, ws)
     _check(e, x, w)
     assert any("squash" in f.op for f in e.fallbacks), [f.op for f in e.fallbacks]
+    e.output.sum().backward()                    # before: through ATen, with its own autograd
+    xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+    _model(xe, we).sum().backward()
+    torch.testing.assert_close(xs.grad, xe.grad, rtol=1e-4, atol=1e-5)
+    with torchfuse.lazy() as ctx:
+        _model(x, w)
+    assert any("squash" in str(f) and "not fusible" in str(f) for f in ctx.flushes), ctx.flushes
     torchfuse.register_decomposition(op, lambda x: x * torch.sigmoid(x) * 0.5)
     try:
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -135,6 +143,10 @@ def test_custom_op_falls_back_then_fuses_after_decomposition():
         forward = [k for k in e.kernels if k.graph.endswith("_forward")]
         assert not any("squash" in f.op for f in e.fallbacks) and len(forward) == 1, str(e)
         e.output.sum().backward()
+        with torchfuse.lazy() as ctx:             # the other front door fuses it too
+            lazy_out = _model(x, w)
+        torch.testing.assert_close(lazy_out, _model(x, w), rtol=1e-5, atol=1e-5)
+        assert not any("squash" in str(f) for f in ctx.flushes), ctx.flushes
         xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
         _model(xe, we).sum().backward()
         torch.testing.assert_close(xs.grad, xe.grad, rtol=1e-4, atol=1e-5)

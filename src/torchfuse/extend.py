@@ -49,6 +49,17 @@ def register_decomposition(op: Any, fn: Callable) -> None:
         raise TypeError(f"torchfuse: register_decomposition needs an OpOverload (e.g. torch.ops.ns.op.default), "
                         f"not {op!r}")
     _decompositions[op] = fn
+    _forget(op)
+
+
+def _forget(op: Any) -> None:
+    """Drop what the lazy mode decided about `op` before (not fusible) and the graphs it compiled
+    with that decision."""
+    from .lazy import cache, mode
+    for overload in ([getattr(op, n) for n in op.overloads()] if isinstance(op, torch._ops.OpOverloadPacket)
+                     else [op]):
+        mode._INFO.pop(id(overload), None)
+    cache.clear()
 
 
 def decompositions() -> dict[Any, Callable]:
@@ -63,3 +74,4 @@ def register_lowering(op: Any, fn: Callable) -> None:
         raise TypeError(f"torchfuse: register_lowering needs an OpOverload, not {op!r}")
     from .ir.lowering import register
     register(op)(fn)
+    _forget(op)
