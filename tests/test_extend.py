@@ -3,6 +3,7 @@ torch.fx PassBase objects, recorded like torchfuse's own and undone when they fa
 operator that runs through ATen until a decomposition or a lowering lets it fuse."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -12,6 +13,7 @@ import torchfuse
 from torchfuse.passes import DEFAULT_PIPELINE, REGISTRY
 
 aten = torch.ops.aten
+os.environ.setdefault("TRITON_INTERPRET", "1")     # the Triton backend on CPU tensors
 
 
 def _relu_of_add_to_clamp(gm, ctx) -> int:
@@ -156,7 +158,8 @@ def test_custom_op_falls_back_then_fuses_after_decomposition():
         extend._decompositions.pop(op, None)
 
 
-def test_custom_op_fuses_after_a_lowering():
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_custom_op_fuses_after_a_lowering(backend):
     from torchfuse.ir.lower_pointwise import pointwise
     from torchfuse.ir.lowering import LOWERINGS
     from torchfuse.ir.nodes import const, op as ir
@@ -170,8 +173,10 @@ def test_custom_op_fuses_after_a_lowering():
     torchfuse.register_lowering(target, lower_squash)
     try:
         x, w = torch.randn(7, 6), torch.randn(6, 6)
+        if backend == "triton":
+            pytest.importorskip("triton")
         with torch.no_grad():
-            e = torchfuse.explain(_model, x, w)
+            e = torchfuse.explain(_model, x, w, options={"cpu_backend": backend})
         _check(e, x, w)
         assert not any("squash" in f.op for f in e.fallbacks) and len(e.kernels) == 1, str(e)
     finally:
