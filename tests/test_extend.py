@@ -162,7 +162,8 @@ def test_custom_op_falls_back_then_fuses_after_decomposition():
 def test_custom_op_fuses_after_a_lowering(backend):
     from torchfuse.ir.lower_pointwise import pointwise
     from torchfuse.ir.lowering import LOWERINGS
-    from torchfuse.ir.nodes import const, op as ir
+    from torchfuse.ir.nodes import const
+    from torchfuse.ir.nodes import op as ir
 
     target = torch.ops.torchfuse_test.squash.default
 

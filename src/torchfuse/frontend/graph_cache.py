@@ -60,7 +60,9 @@ def config_key(config: Config) -> str:
 
 def _torch_parts() -> tuple[Any, Any, Any, Any] | None:
     try:
-        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+        from torch._functorch._aot_autograd.schemas import (
+            SerializableAOTDispatchCompiler,
+        )
         from torch._inductor.custom_graph_pass import CustomGraphPass
         from torch._inductor.output_code import OutputCode
         from torch.fx._graph_pickler import GraphPickler
@@ -92,7 +94,9 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
 
     def prepare_for_serialization(self) -> None:
         if not self._graph:
-            from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+            from torch._functorch._aot_autograd.autograd_cache import (
+                BypassAOTAutogradCache,
+            )
             raise BypassAOTAutogradCache("torchfuse: the graph could not be pickled")
         self._call = None      # the code stays behind
 
@@ -201,6 +205,7 @@ def enabled(config: Config, compile: Compile, wanted: bool = True) -> Iterator[b
         # entries go under torchfuse's cache directory, next to its kernels (one place to trust,
         # bound and clear), not Inductor's
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+
         from ..runtime.cache_dir import cache_folder
         folder = str(cache_folder(config, "graphs"))
         patches.enter_context(mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)))
