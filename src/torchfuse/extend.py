@@ -32,10 +32,8 @@ _decompositions: dict[Any, Callable] = {}
 def register_pass(name: str, fn: Callable[[Any, Any], int]) -> None:
     """Make `fn(gm, ctx) -> changes` a graph pass usable by name in options={"passes": [...]}
     (the default pipeline is torchfuse.passes.DEFAULT_PIPELINE; ctx is a passes.PassContext)."""
-    from .passes import (  # (imported here: `import torchfuse` stays light)
-        _OWN,
-        REGISTRY,
-    )
+    # (imported here, so that `import torchfuse` stays light)
+    from .passes import _OWN, REGISTRY
     if not isinstance(name, str) or not name:
         raise ValueError(f"torchfuse: a pass name must be a non-empty string, not {name!r}")
     if REGISTRY.get(name) in _OWN:
