@@ -198,3 +198,44 @@ def test_readme_example_runs(capsys):
         extend._decompositions.pop(torch.ops.demo.squash.default, None)
     fallbacks, kernels = capsys.readouterr().out.splitlines()[:2]
     assert int(fallbacks) >= 1 and int(kernels) == 1, (fallbacks, kernels)
+
+
+@torch.library.custom_op("torchfuse_test::sum_squares", mutates_args=())
+def sum_squares(x: torch.Tensor) -> torch.Tensor:
+    return (x * x).sum(-1)
+
+
+@sum_squares.register_fake
+def _(x):
+    return x.new_empty(x.shape[:-1])
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_custom_reduction_fuses_after_a_lowering(backend):
+    """A custom reduction lowered with the built-in `reduction` helper: its producer (x * 2 + 1)
+    and its consumer (sqrt) fuse around it, one kernel."""
+    from torchfuse.ir.lower_reduce import reduction
+    from torchfuse.ir.lowering import LOWERINGS
+    from torchfuse.ir.nodes import op as ir
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    target = torch.ops.torchfuse_test.sum_squares.default
+
+    def lower(lw, x):
+        return reduction(lw, x, [x.ndim - 1], "sum", torch.float32, lw.out_dtype(), False,
+                         pre=lambda v: ir("mul", v, v, dtype=v.dtype))
+
+    def fn(x):
+        return torch.sqrt(sum_squares(x * 2 + 1))
+
+    x = torch.randn(9, 37)
+    before = torchfuse.explain(fn, x, options={"cpu_backend": backend})
+    torchfuse.register_lowering(target, lower)
+    try:
+        e = torchfuse.explain(fn, x, options={"cpu_backend": backend})
+        torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-5)
+        assert len(e.kernels) == 1 and not e.fallbacks, str(e)
+        assert any("sum_squares" in f.op for f in before.fallbacks)
+    finally:
+        LOWERINGS.pop(target, None)
