@@ -30,7 +30,7 @@ def test_complex_values_fall_back(tf):
     fn = lambda x: torch.nn.functional.pad(x.to(torch.complex64), (1, 2)) * 2  # noqa: E731
     expected = fn(x)
     e = tf.explain(fn, x)
-    assert {f.reason for f in e.fallbacks} == {"complex dtypes"}
+    assert e.fallbacks and all("complex" in f.reason for f in e.fallbacks), [f.reason for f in e.fallbacks]
     torch.testing.assert_close(e.output, expected)
 
 
