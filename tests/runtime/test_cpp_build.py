@@ -288,3 +288,32 @@ def test_syntax_error_raises_compile_error_with_stderr(cfg: Config) -> None:
     assert _delta(before)["kernel_builds"] == 1
     so, meta = _entry(cfg, src)
     assert not so.exists() and not meta.exists()
+
+
+def test_library_is_closed_once_nothing_uses_it(tmp_path):
+    """ctypes never dlcloses: a library nothing refers to any more (no compiled graph, not the
+    in-memory LRU) is closed by torchfuse, so a long-running process does not keep every library
+    it ever built mapped; while a compiled graph lives its library stays."""
+    import gc
+
+    import torch
+
+    import torchfuse
+    from torchfuse.runtime import cpp_build
+
+    def mapped() -> set[str]:
+        with open("/proc/self/maps") as f:
+            return {line.split()[-1] for line in f if str(tmp_path) in line}
+
+    fn = lambda x: torch.cos(x) * 7 - 1  # noqa: E731
+    x = torch.randn(13, 3)
+    compiled = torchfuse.compile(fn, options={"cache_dir": tmp_path, "graph_cache": False})
+    torch.testing.assert_close(compiled(x), fn(x))
+    cpp_build.clear_memory_cache()
+    gc.collect()
+    assert mapped(), "the library of a live compiled function must stay loaded"
+    torch.testing.assert_close(compiled(x), fn(x))
+    del compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert not mapped(), mapped()

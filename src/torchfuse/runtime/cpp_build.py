@@ -8,6 +8,7 @@ truncated it) and rebuilt.  Builds of one key are serialised across processes by
 """
 from __future__ import annotations
 
+import _ctypes
 import atexit
 import ctypes
 import hashlib
@@ -20,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from contextlib import suppress
 from pathlib import Path
@@ -111,6 +113,17 @@ def cache_key(source: str, config: Config) -> str:
 _memory: OrderedDict[str, ctypes.CDLL] = OrderedDict()
 
 
+def _open(path: Path) -> ctypes.CDLL:
+    """dlopen `path`; the library is dlclosed once nothing refers to it any more (no compiled
+    graph's kernel functions, which hold their CDLL, and not the in-memory LRU), so a process
+    compiling thousands of graphs does not keep every library mapped (ctypes never closes)."""
+    lib = ctypes.CDLL(str(path))
+    close = getattr(_ctypes, "dlclose", None)
+    if close is not None:
+        weakref.finalize(lib, close, lib._handle)
+    return lib
+
+
 def _memory_get(key: str) -> ctypes.CDLL | None:
     with _state_lock:
         if key in _memory:
@@ -166,7 +179,7 @@ def _try_load(so: Path, meta: Path, quiet: bool) -> ctypes.CDLL | None:
         _invalid(so, "checksum mismatch (corrupted or truncated)", quiet)
         return None
     try:
-        lib = ctypes.CDLL(str(so))
+        lib = _open(so)
     except OSError as err:
         _invalid(so, f"dlopen failed: {err}", quiet)
         return None
@@ -222,7 +235,7 @@ def _load_private(key: str, data: bytes) -> ctypes.CDLL:
             atexit.register(shutil.rmtree, _private, True)
         path = _private / f"{key}.so"
     _atomic_write(path, data)
-    return ctypes.CDLL(str(path))
+    return _open(path)
 
 
 def _compile(source: str, key: str, config: Config) -> bytes:
@@ -285,7 +298,7 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         except OSError as err:  # disk full, quota, filesystem went read-only...
             _warn_unusable(config, err)
             return _load_private(key, data)
-        lib = ctypes.CDLL(str(so))
+        lib = _open(so)
     finally:
         lock.release()
     enforce_limit(config)      # a new entry: keep the cache under its bound
