@@ -1,7 +1,6 @@
 """A real model under torchfuse.lazy: HuggingFace GPT-2 (small config, random weights) in eval
 mode under no_grad matches eager, with both attention implementations; a second forward pass
-builds nothing; a training step (autograd: the grad-requiring ops run eagerly) gives eager's
-gradients."""
+builds nothing; a training step (forward and backward recorded) gives eager's gradients."""
 from __future__ import annotations
 
 import copy

@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
-from .nodes import INDEX, Node, const, cost, floordiv, mod, sym, var
+from .nodes import INDEX, Node, const, cost, floordiv, mod, op, sym, var
 
 log = logging.getLogger("torchfuse.lowering")
 
@@ -509,14 +509,36 @@ _RUNTIME_CHECKS = {aten._assert_scalar.default, aten.sym_constrain_range_for_siz
 
 
 def _symfloat_to_node(v: "torch.SymFloat") -> Node:
-    """A float computed from sizes (ToFloat(s0)) as a float64 Node; anything else is unsupported."""
+    """A float computed from sizes (ToFloat(s0), an average's 1 / (N*H*W) as IntTrueDiv) as a
+    float64 Node; anything else is unsupported."""
     hint = v.node.maybe_as_float() if hasattr(v.node, "maybe_as_float") else None
     if hint is not None:
         return const(hint, torch.float64)
-    expr = v.node.expr
-    if type(expr).__name__ == "ToFloat":
-        return Node("cast", (_sympy_to_node(expr.args[0]),), torch.float64, torch.float64)
-    raise Unsupported(f"symbolic float {expr}")
+    return _sympy_float_to_node(v.node.expr)
+
+
+def _sympy_float_to_node(e: Any) -> Node:
+    import sympy
+    f64 = torch.float64
+    name = type(e).__name__
+    if isinstance(e, (sympy.Integer, sympy.Float, sympy.Rational)):
+        return const(float(e), f64)
+    if name == "ToFloat":
+        return Node("cast", (_sympy_to_node(e.args[0]),), f64, f64)
+    if name == "IntTrueDiv":         # int / int in Python: a float quotient
+        num, den = (Node("cast", (_sympy_to_node(a),), f64, f64) for a in e.args)
+        return op("truediv", num, den, dtype=f64)
+    if name == "FloatTrueDiv":
+        return op("truediv", _sympy_float_to_node(e.args[0]), _sympy_float_to_node(e.args[1]), dtype=f64)
+    if isinstance(e, (sympy.Add, sympy.Mul)):
+        name = "add" if isinstance(e, sympy.Add) else "mul"
+        parts = [_sympy_float_to_node(a) if a.is_integer is not True
+                 else Node("cast", (_sympy_to_node(a),), f64, f64) for a in e.args]
+        out = parts[0]
+        for p in parts[1:]:
+            out = op(name, out, p, dtype=f64)
+        return out
+    raise Unsupported(f"symbolic float {e}")
 
 
 def _covers_storage(t: torch.Tensor) -> bool:

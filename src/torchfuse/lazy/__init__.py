@@ -4,14 +4,15 @@
         y = torch.softmax(x * 2, -1) + b    # recorded, not run: y is a pending LazyTensor
         z = y @ w                           # mm is not fusible: y's ops compile to one kernel, run
         print(z.sum().item())               # .item() computes the pending sum
-    ctx.flushes                             # why each flush happened, ops, kernels, cache hits
+    print(ctx.flushes)                      # a table: why each flush happened, ops, kernels,
+                                            # cache hit, time
 
 Design (see the modules for details):
 
 * `mode.LazyMode`, a TorchDispatchMode active inside the block, sees every aten op.  Fusible
   ops (a lowering in `torchfuse.ir.lowering.LOWERINGS` or a torchfuse decomposition; not random,
-  not mutating; no autograd needed; strided tensors on one CPU/CUDA device) are recorded as
-  `graph.LazyNode`s; so are matmuls, attention (without dropout), convolutions and cumsum,
+  not mutating; strided tensors on one CPU/CUDA device) are recorded as `graph.LazyNode`s; so
+  are matmuls, attention (without dropout), convolutions, cumsum and their backward ops,
   which run through ATen inside the compiled graph (`lazy(defer_matmuls=False)` runs them
   eagerly instead).  Outputs are `tensor.LazyTensor`s, wrapper subclasses with eager mode's
   sizes, strides and dtype computed by the ops' meta kernels -- once per (op, scalars, input
@@ -27,17 +28,19 @@ Design (see the modules for details):
   (exact), `lazy_shape_hits` (size-free), `lazy_compiles`.
 * Flushes happen when a non-fusible op reads a pending value, when data leaves the tensor world
   (.item(), bool(), print, .tolist(), .numpy(), .data_ptr(), ...), before an op writes memory a
-  pending value read, when the pending graph exceeds `max_nodes` (512), and at the end of the
-  block.  Values nobody references any more are never computed.
+  pending value read, when the pending graph exceeds `max_nodes` (512), when a backward pass
+  ends, and at the end of the block.  Values nobody references any more are never computed.
 * A computed LazyTensor's own storage is pointed at its result, so it stays a valid tensor after
   the block (ops on it run eagerly and return plain tensors; the decorator returns plain tensors).
 
 Semantics kept from eager mode: views of pending values stay views after computing (they are
 re-applied to the computed base); in-place ops see and are seen by aliases; values computed from
 memory before an in-place write keep the old contents; random ops run eagerly on the same
-random stream; autograd records exactly what it records in eager mode, because every op that
-needs autograd (a tensor requiring grad under grad mode, or anything in a backward pass) runs
-eagerly -- only the no-grad parts of a program are fused.
+random stream; autograd records exactly what it records in eager mode: the mode sits below
+autograd, whose graph simply holds LazyTensors.  A training step is fused forward and backward:
+the backward pass's ops are recorded like the forward's, and the gradients (`.grad`, computed
+LazyTensors once the pass ends) equal eager's.  Training batch norm runs eagerly (it writes its
+running statistics), so a CNN in train mode is fused between its batch norms only.
 
 Limitations: scalar arguments are part of the cache signature, so each new scalar value
 compiles once; index-like integers (slice bounds, select index) too, only `size=`/`shape=`

@@ -390,6 +390,9 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
 
     def traced(mode: str, replay: Callable, args: list) -> Any:
         with torch.no_grad(), _no_duck_shapes():
+            # Detached: faking a parameter also fakes its `.grad`, which in a training step is
+            # a LazyTensor still pending in the graph being compiled here.
+            args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
             return make_fx(replay, decomposition_table=decomposition_table(), tracing_mode=mode)(*args)
 
     # the nodes' own templates, nothing lifted: the static graph and the eager check of a symbolic one

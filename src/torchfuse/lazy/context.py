@@ -3,7 +3,7 @@
     with torchfuse.lazy() as ctx:          # or @torchfuse.lazy, or torchfuse.lazy(options={...})
         y = (x * 2 + 1).relu().sum(-1)     # recorded, not run
         z = y @ w                          # matmul is not fusible: y's ops are compiled and run
-    print(ctx.flushes)                     # why each flush happened, ops, kernels, cache hits
+    print(ctx.flushes)                     # a table: why each flush happened, ops, kernels, ...
 
 Every lazy block keeps its own log of flushes (`ctx.flushes`, `ctx.explain()`); with
 `options={"debug": True}` compile_graph writes every compiled graph's stages to the debug folder
@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 from ..api import Explanation
 from ..config import Config
 from .cache import config_token
-from .graph import FlushRecord, LazyNode, flush
+from .graph import FlushLog, FlushRecord, LazyNode, flush
 from .mode import LazyMode
 from .tensor import LazyTensor
 
@@ -120,7 +120,7 @@ def suspended() -> Iterator[None]:
 class LazyContext:
     """One lazy block (reusable: each `with` / decorated call enters it again).
 
-    `flushes`: a `FlushRecord` per flush (reason, ops, outputs, kernels, cache hit, time); the
+    `flushes`: a `FlushLog` (prints as a table) of a `FlushRecord` per flush; the
     newest MAX_LOG of them (`num_flushes` counts all).
     `report`: a `torchfuse.Explanation` with the graphs and kernels compiled for this block.
     """
@@ -133,7 +133,7 @@ class LazyContext:
         self.defer_matmuls = defer_matmuls      # record matmuls/attention/convolutions too
         self.dynamic = dynamic                  # symbolic sizes: True, False, None = from the 2nd size
         self.forced_fallbacks = frozenset(self.config.fallback_ops)
-        self.flushes: list[FlushRecord] = []    # the newest MAX_LOG flushes at most
+        self.flushes = FlushLog()               # the newest MAX_LOG flushes at most
         self.num_flushes = 0                    # all flushes, including those trimmed from the log
         self.report = Explanation()
         self.live: list[weakref.ref] = []       # wrappers handed out while pending
@@ -147,6 +147,7 @@ class LazyContext:
         self.pipelining = not auto              # on: cut every pipeline_ops ops (see mode)
         self.pipeline_min_work = CUDA_PIPELINE_MIN_WORK
         self.id = next(_ids)
+        self.backward_task = -1                 # autograd graph task last seen recording (mode)
         self._entered: list[tuple[LazyMode, LazyMode | None]] = []
 
     # -- context manager / decorator -------------------------------------------------------
@@ -248,10 +249,10 @@ class LazyContext:
     def explain(self) -> str:
         lines = [f"torchfuse.lazy block {self.id}: {len(self.flushes)} flush(es), "
                  f"{sum(f.ops for f in self.flushes)} op(s), {self.kernels} kernel launch(es), "
-                 f"{sum(not f.cache_hit for f in self.flushes)} compiled graph(s)"]
+                 f"{sum(not f.cache_hit for f in self.flushes)} compiled graph(s)",
+                 self.flushes.table(width=1000)]
         for i, f in enumerate(self.flushes):
-            lines.append(f"  #{i}: {f}")
-            lines.append(f"       ops: {', '.join(f.op_names)}")
+            lines.append(f"  #{i} ops: {', '.join(f.op_names)}")
         if self.report.kernels:
             lines.append("kernels compiled:")
             lines += [f"  {k}" for k in self.report.kernels]

@@ -123,11 +123,12 @@ def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: l
     except Exception as e:            # no meta kernel, data-dependent shape, invalid arguments
         raise Unrecordable(f"meta: {type(e).__name__}: {e}") from None
     outs = [out] if isinstance(out, torch.Tensor) else out
-    if not isinstance(outs, (list, tuple)) or not outs or \
-            not all(isinstance(o, torch.Tensor) for o in outs):
+    # None: an optional output not computed (convolution_backward's output_mask)
+    if not isinstance(outs, (list, tuple)) or not any(isinstance(o, torch.Tensor) for o in outs) or \
+            not all(o is None or isinstance(o, torch.Tensor) for o in outs):
         raise Unrecordable("outputs are not all tensors")
-    descs = [(o.size(), o.stride(), o.storage_offset(), o.dtype) for o in outs]
-    if any(d[3] not in SUPPORTED_DTYPES for d in descs):
+    descs = [None if o is None else (o.size(), o.stride(), o.storage_offset(), o.dtype) for o in outs]
+    if any(d is not None and d[3] not in SUPPORTED_DTYPES for d in descs):
         raise Unrecordable("unsupported dtype")
     result = (descs, None if isinstance(out, torch.Tensor) else type(out))
     if len(_META_CACHE) >= _META_CACHE_MAX:
@@ -267,6 +268,31 @@ class FlushRecord:
                 f"[{src}, {self.ms:.2f} ms]")
 
 
+class FlushLog(list):
+    """A block's `FlushRecord`s (a list) that prints as a table, one row per flush:
+    `print(ctx.flushes)`."""
+
+    def table(self, width: int = 52) -> str:
+        rows = [("#", "reason", "ops", "outputs", "kernels", "graph", "ms")]
+        for i, f in enumerate(self):
+            reason = f.reason if len(f.reason) <= width else f.reason[:width - 3] + "..."
+            src = "eager" if f.graph == "eager" else ("cache hit" if f.cache_hit else "compiled")
+            rows.append((str(i), reason, str(f.ops), str(f.outputs), str(f.kernels), src, f"{f.ms:.2f}"))
+        rows.append(("", "total", str(sum(f.ops for f in self)), str(sum(f.outputs for f in self)),
+                     str(sum(f.kernels for f in self)), f"{sum(not f.cache_hit for f in self)} compiled",
+                     f"{sum(f.ms for f in self):.2f}"))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        left = {1, 5}                                  # text columns; numbers align right
+        return "\n".join("  ".join(v.ljust(w) if c in left else v.rjust(w)
+                                   for c, (v, w) in enumerate(zip(r, widths))).rstrip()
+                         for r in rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    __repr__ = __str__
+
+
 # --------------------------------------------------------------------------------------------
 # flushing
 # --------------------------------------------------------------------------------------------
@@ -324,7 +350,8 @@ def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
         w = ref() if ref is not None else None
         if w is not None and w._lz_node is node:
             attach_real(w, real)
-    if all(r is not None for r in results):     # (`None in results` would call Tensor.__eq__)
+    if all(r is not None or d is None for r, d in zip(results, node.descs)):
+        # (`None in results` would call Tensor.__eq__)
         # Fully computed: the node is a leaf from now on; drop its inputs so that their memory
         # (and the whole chain of ancestors) can be freed.
         node.inputs = []

@@ -4,7 +4,7 @@
 autograd), on plain tensors and on `LazyTensor`s alike, and decides:
 
 * record: a fusible op (one torchfuse lowers, or decomposes into ops it lowers; not random, not
-  mutating) whose tensors are all strided, on one CPU/CUDA device, and need no autograd.  The
+  mutating) whose tensors are all strided and on one CPU/CUDA device.  The
   output metadata comes from the op's meta kernel; the outputs are new pending `LazyTensor`s.
   A view of a *real* tensor is not recorded: running it is free and keeps later graphs smaller.
 * record functionally: an in-place op (`y.add_(1)`) on a pending value that nothing else
@@ -13,9 +13,11 @@ autograd), on plain tensors and on `LazyTensor`s alike, and decides:
   before an op mutates memory, every pending value that read that memory through a computation
   is computed, so it sees the old contents as it would have in eager mode.
 
-Autograd: an op whose tensors require grad (with grad mode on) runs eagerly, as does anything
-inside a backward pass, so autograd records exactly what it records in eager mode.  Only the
-no-grad parts of a program are fused.  Random ops run eagerly (same random stream as eager).
+Autograd: the mode sits below autograd, so autograd records exactly what it records in eager
+mode -- its graph simply holds LazyTensors (saved activations included).  The ops of a backward
+pass reach this mode too and are recorded like any others: forward and backward pointwise work
+are both fused, and a backward pass ends with one flush of the gradients it produced (see
+`_note_graph_task`).  Random ops run eagerly (same random stream as eager).
 """
 from __future__ import annotations
 
@@ -108,7 +110,15 @@ def op_info(func: Any) -> OpInfo:
 _DEFERRED = {
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::dot",
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_cudnn_attention", "aten::convolution", "aten::cumsum",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention",
+    "aten::convolution", "aten::cumsum", "aten::max_pool2d_with_indices",
+    # their backward passes: a training step's backward is one graph, not one per layer
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::_scaled_dot_product_cudnn_attention_backward",
+    "aten::convolution_backward", "aten::embedding_dense_backward",
+    "aten::max_pool2d_with_indices_backward", "aten::native_group_norm_backward",
 }
 
 
@@ -189,10 +199,16 @@ def dispatch(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict) -> Any:
             out, why = _try_record(ctx, func, info, args, kwargs)
             if why is None:
                 return out
-    elif info.functional is not None and type(args[0]) is LazyTensor and args[0]._lz_real is None:
-        out, why = _try_record_inplace(ctx, func, info, args, kwargs)
-        if why is None:
-            return out
+    elif info.functional is not None and type(args[0]) is LazyTensor:
+        if args[0]._lz_real is None:
+            out, why = _try_record_inplace(ctx, func, info, args, kwargs)
+            if why is None:
+                return out
+        elif any(type(a) is LazyTensor and a._lz_real is None for a in args[1:]):
+            # `grad += g`: a computed value updated from pending ones (gradient accumulation)
+            out, why = _try_record_update(ctx, func, info, args, kwargs)
+            if why is None:
+                return out
     return eager_call(func, args, kwargs, ctx, why=why)
 
 
@@ -217,8 +233,8 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
         if len(live) > 4 * ctx.max_nodes:
             ctx.pending_values()          # prune dead and computed entries
         return w, None
-    outs = [new_wrapper(d, node.device, node, k) for k, d in enumerate(node.descs)]
-    ctx._track(node.wrappers)
+    outs = [None if d is None else new_wrapper(d, node.device, node, k) for k, d in enumerate(node.descs)]
+    ctx._track([r for r in node.wrappers if r is not None])
     return node.container(outs), None
 
 
@@ -270,13 +286,11 @@ def clear_plans() -> None:
 _SCALAR_TYPES = (bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _key_of(a: Any, key: list, tensors: list, grad: bool) -> None:
+def _key_of(a: Any, key: list, tensors: list) -> None:
     """Append `a`'s part of a plan key (and its tensors).  Raises Unrecordable for arguments
     that are never recordable (checked before any cache: they depend on the tensor's state)."""
     t = type(a)
     if t is LazyTensor:
-        if grad and a.requires_grad:
-            raise Unrecordable("needs autograd")
         tensors.append(a)
         if a._lz_real is None:
             key.append(a._lz_node.dids[a._lz_idx])
@@ -289,13 +303,11 @@ def _key_of(a: Any, key: list, tensors: list, grad: bool) -> None:
         key.append(a)
         return
     elif t is torch.Tensor or t is torch.nn.Parameter:
-        if grad and a.requires_grad:
-            raise Unrecordable("needs autograd")
         tensors.append(a)
     elif t is list or t is tuple:
         key.append((t is list, len(a)))
         for x in a:
-            _key_of(x, key, tensors, grad)
+            _key_of(x, key, tensors)
         return
     elif t in _SCALAR_TYPES:
         key.append((t, a))
@@ -312,9 +324,6 @@ def _key_of(a: Any, key: list, tensors: list, grad: bool) -> None:
 def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
                ) -> tuple[LazyNode | None, str | None]:
     """A node for `func(*args, **kwargs)`, or (None, why not)."""
-    if torch._C._current_graph_task_id() != -1:
-        return None, "inside backward"
-    grad = torch.is_grad_enabled()
     tensors: list = []
     key: list = [id(func)]        # id: see _INFO; `dispatch` made an OpInfo that holds func
     try:
@@ -322,8 +331,6 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
             # pending tensors and numbers inline (the common arguments), the rest in _key_of
             t = type(a)
             if t is LazyTensor and a._lz_real is None:
-                if grad and a.requires_grad:
-                    return None, "needs autograd"
                 tensors.append(a)
                 key.append(a._lz_node.dids[a._lz_idx])
             elif t is float:
@@ -331,11 +338,11 @@ def _make_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs:
             elif t is int:
                 key.append(a)
             else:
-                _key_of(a, key, tensors, grad)
+                _key_of(a, key, tensors)
         if kwargs:
             for name, a in kwargs.items():
                 key.append(name)
-                _key_of(a, key, tensors, grad)
+                _key_of(a, key, tensors)
     except Unrecordable as e:
         return None, str(e)
     if not tensors:
@@ -416,18 +423,36 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
         descs, container = output_descs(func, targs, tkwargs, skel, tensors, info.device_arg)
     except Unrecordable as e:
         return str(e)
-    dids = tuple(_did(d, device) for d in descs)
-    work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs)
+    dids = tuple(None if d is None else _did(d, device) for d in descs)
+    work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if d is not None)
     return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work)
 
 
 def _commit(ctx: "LazyContext", node: LazyNode) -> None:
     """Bookkeeping once a node is part of the pending graph."""
     ctx.recorded += 1
+    if _graph_task_id() != ctx.backward_task:
+        _note_graph_task(ctx)
     if node.is_view and type(node.inputs[0]) is tuple:
         root = view_root(*node.inputs[0])
         if root is not None:
             root[0].has_views = True
+
+
+_graph_task_id = torch._C._current_graph_task_id     # -1 outside a backward pass
+
+
+def _note_graph_task(ctx: "LazyContext") -> None:
+    """The first op recorded by a backward pass queues one flush of everything pending for
+    when the pass ends: the gradients it produced are computed together, in one graph with the
+    forward's pending work, as eager `backward()` returns with them computed.  Left pending,
+    an optimizer's in-place update of each parameter (eager: it writes real memory) would
+    force them out one gradient per flush."""
+    task = _graph_task_id()
+    ctx.backward_task = task
+    if task != -1:
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: ctx.flush_all("end of a backward pass"))
 
 
 def _ref(t: torch.Tensor) -> Any:
@@ -466,6 +491,35 @@ def _try_record_inplace(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple
     old.wrappers[target._lz_idx] = None
     target._lz_node, target._lz_idx = node, 0
     node.wrappers[0] = weakref.ref(target)
+    return target, None
+
+
+def _try_record_update(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs: dict,
+                       ) -> tuple[Any, str | None]:
+    """`w.add_(g)` on a *computed* `w` (a gradient from an earlier backward pass) with a pending
+    `g`: record `add(w, g)` and make `w` pending again, instead of computing `g` now.
+
+    Only when nothing else shares `w`'s memory (a view of it would have to see the update):
+    its storage is then held by `w` and its computed tensor alone.  The computed tensor itself
+    is not written, so values recorded from `w` before keep the old contents, as in eager mode.
+    """
+    target: LazyTensor = args[0]
+    real = target._lz_real
+    # held by the wrapper, its computed tensor and the storage object made for this call
+    if torch._C._storage_Use_Count(real.untyped_storage()._cdata) > 3:
+        return None, "in-place on an aliased value"
+    node, why = _make_node(ctx, info.functional, op_info(info.functional), args, kwargs)
+    if node is None:
+        return None, why
+    size, stride, _, dtype = node.descs[0]
+    if node.container is not None or (size, stride, dtype) != (real.size(), real.stride(), real.dtype):
+        return None, "in-place result differs in dtype or layout"
+    _commit(ctx, node)
+    target._lz_real = None
+    target._lz_node, target._lz_idx = node, 0
+    ref = weakref.ref(target)
+    node.wrappers[0] = ref
+    ctx._track([ref])
     return target, None
 
 
