@@ -10,12 +10,12 @@ Rows (each one independent: a failure prints its error and the probe goes on):
   3. the 6-op pointwise chain on 64M fp32 elements: eager vs lazy vs
      torch.compile(backend="torchfuse"), steady state, with recompiles counted and the lazy
      call's host-only (enqueue) time next to its GPU time;
-  4. GPT-2 small (12 layers, 768 wide, random weights, no_grad) at batch 1 seq 128 (host-bound)
-     and batch 8 seq 512 (GPU-bound): eager vs lazy (default: CUDA pipelining where the work is
-     large) vs lazy(pipeline_ops=0) (off) vs lazy(pipeline_ops=128) (always) vs a dispatch
-     mode that does nothing (the floor of the design),
-     flushes/ops/kernels/host syncs per forward and first-call time; then new sequence
-     lengths, graphs compiled per length.
+  4. GPT-2 small and a Llama-style decoder (random weights, no_grad) in bf16 at batch 8 seq 512
+     (GPU-bound) and batch 1 seq 64 (host-bound), GPT-2 in fp32 at batch 1 seq 64: eager vs
+     lazy vs a dispatch mode that does nothing (the floor of the design); flushes, ops,
+     kernels, host syncs per forward, first-call time;
+  5. a training step (forward, backward, SGD, zero_grad; fp32, batch 4 seq 256) of both models;
+  6. new batch sizes and sequence lengths: graphs compiled per new size.
 Prints a short table; with $OUT set writes lazy_gpu_probe.json (all numbers, errors, GPT-2's
 flush log) there.  Times are medians of interleaved repeats, synchronized.
 """
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lazy_bench import interception_overhead, sync, timeit  # noqa: E402  (the same measurements)
 
 START = time.perf_counter()
-BUDGET_S = 420.0
+BUDGET_S = 540.0
 ROWS: list[tuple[str, str, str, str, str]] = []     # name, eager, lazy, compiled, note
 DETAILS: dict[str, Any] = {}
 
@@ -180,36 +180,42 @@ def _syncs_during(device: str, fn: Callable[[], Any]) -> list[str] | None:
             if "synchroniz" in str(w.message).lower()]
 
 
-def gpt2(device: str, quick: bool) -> None:
-    """GPT-2 small under lazy(): a host-bound shape (batch 1, seq 128) and a GPU-bound one
-    (batch 8, seq 512), each against eager and against the floor of a dispatch mode that
-    does nothing; lazy with its default CUDA pipelining and with it off; then new sequence
-    lengths (compiles counted)."""
-    try:
-        import transformers
-    except ImportError:
-        ROWS.append(("GPT-2 small", "-", "-", "-", "transformers not importable"))
-        return
+def _model(kind: str, quick: bool, device: str, dtype: torch.dtype) -> tuple[Any, int]:
+    """A HuggingFace model from config, random weights: GPT-2 small (12 layers, 768, 50257) or
+    a Llama-style decoder (RMSNorm, SwiGLU, rotary embeddings, grouped-query attention)."""
+    import transformers
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if quick:
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=2048, n_positions=128)
-        shapes = [(1, 64), (2, 96)]
+    if kind == "gpt2":
+        cfg = (transformers.GPT2Config(n_layer=2, n_embd=128, n_head=2, vocab_size=2048, n_positions=128)
+               if quick else transformers.GPT2Config())
+        cfg.attn_pdrop = cfg.resid_pdrop = cfg.embd_pdrop = 0.0
+        model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.GPT2Config()          # GPT-2 small: 12 layers, 768, 12 heads, 50257
-        shapes = [(1, 128), (8, 512)]
-    model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
-    DETAILS["gpt2"] = {"config": f"n_layer={cfg.n_layer} n_embd={cfg.n_embd} vocab={cfg.vocab_size}"}
+        cfg = transformers.LlamaConfig(
+            vocab_size=2048 if quick else 32000, hidden_size=128 if quick else 768,
+            intermediate_size=256 if quick else 2048, num_hidden_layers=2 if quick else 12,
+            num_attention_heads=4 if quick else 12, num_key_value_heads=2 if quick else 4,
+            max_position_embeddings=1024)
+        model = transformers.LlamaForCausalLM(cfg)
+    DETAILS[f"{kind}_config"] = cfg.to_json_string()
+    return model.to(device=device, dtype=dtype), cfg.vocab_size
+
+
+def inference(kind: str, device: str, quick: bool, dtype: torch.dtype, shapes: list[tuple[int, int]]) -> None:
+    """Forward under no_grad: eager vs lazy vs a dispatch mode that does nothing (the floor of
+    the design); flushes/ops/kernels/host syncs per forward and first-call time."""
+    model, vocab = _model(kind, quick, device, dtype)
+    model.eval()
 
     def fwd(ids: torch.Tensor) -> torch.Tensor:
         return model(ids, use_cache=False).logits
 
     for batch, seq in shapes:
-        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
-        blocks = {"lazy": torchfuse.lazy(), "lazy_no_pipeline": torchfuse.lazy(pipeline_ops=0),
-                  "lazy_pipeline_always": torchfuse.lazy(pipeline_ops=128)}
-        if (batch, seq) == shapes[0]:
-            blocks["lazy_eager_matmuls"] = torchfuse.lazy(defer_matmuls=False)
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        blocks = {"lazy": torchfuse.lazy()}
+        if kind == "gpt2" and batch > 1:
+            blocks["lazy_no_pipeline"] = torchfuse.lazy(pipeline_ops=0)
 
         def runner(block: Any) -> Callable[[], torch.Tensor]:
             def run() -> torch.Tensor:
@@ -226,71 +232,97 @@ def gpt2(device: str, quick: bool) -> None:
             ref = fwd(ids)
         fns = {"eager": lambda: torch.no_grad()(fwd)(ids), "dispatch_mode_floor": noop}
         first, profile = {}, {}
+        tol = 2e-3 if dtype == torch.float32 else 5e-2
         for name, block in blocks.items():
             sync(device)
             t0 = time.perf_counter()
             got = runner(block)()
             sync(device)
             first[name] = time.perf_counter() - t0
-            torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(got, ref, atol=tol, rtol=tol)
             n0 = len(block.flushes)
             syncs = _syncs_during(device, runner(block))
             new = block.flushes[n0:]
             profile[name] = {"flushes": len(new), "ops": sum(f.ops for f in new),
                              "kernel_launches": sum(f.kernels for f in new),
                              "cache_hits": sum(f.cache_hit for f in new), "host_syncs": syncs,
-                             "reasons": [f.reason for f in new]}
+                             "table": str(new) if hasattr(new, "table") else [str(f) for f in new]}
             fns[name] = runner(block)
-        reps = 5 if quick else 10
-        t = timeit(fns, device, reps, inner=2)
-        # host-only time of a lazy forward (record + flush + launch), GPU still running
-        host = {}
-        for name in ("eager", "lazy", "lazy_no_pipeline"):
-            vals = []
-            for _ in range(5):
-                sync(device)
-                t0 = time.perf_counter()
-                fns[name]()
-                vals.append(time.perf_counter() - t0)
-            host[name] = 1e3 * statistics.median(vals)
-        DETAILS["gpt2"][f"b{batch}_s{seq}"] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first,
-                                              "host_only_ms": host, "profile": profile}
+        t = timeit(fns, device, 5 if quick else 10, inner=2)
+        label = f"{kind} {str(dtype)[6:]} batch {batch} seq {seq}"
+        DETAILS[label] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first, "profile": profile}
         p = profile["lazy"]
-        ROWS.append((f"GPT-2 ({cfg.n_layer}L, {cfg.n_embd}) batch {batch} seq {seq}: lazy",
-                     f"{1e3 * t['eager']:.2f} ms", f"{1e3 * t['lazy']:.2f} ms", "-",
-                     f"{t['eager'] / t['lazy']:.2f}x eager (overhead {100 * (t['lazy'] / t['eager'] - 1):+.0f}%, "
-                     f"anchor +38%); {p['flushes']} flushes, {p['ops']} ops, {p['kernel_launches']} kernels; "
-                     f"{len(p['host_syncs'] or [])} host syncs; first call {first['lazy']:.1f} s"))
-        ROWS.append(("  same, lazy(pipeline_ops=0)", f"{1e3 * t['eager']:.2f} ms",
-                     f"{1e3 * t['lazy_no_pipeline']:.2f} ms", "-",
-                     f"{t['eager'] / t['lazy_no_pipeline']:.2f}x eager; {profile['lazy_no_pipeline']['flushes']} flush(es)"))
-        ROWS.append(("  same, lazy(pipeline_ops=128): pipelined whatever the work", f"{1e3 * t['eager']:.2f} ms",
-                     f"{1e3 * t['lazy_pipeline_always']:.2f} ms", "-",
-                     f"{t['eager'] / t['lazy_pipeline_always']:.2f}x eager; "
-                     f"{profile['lazy_pipeline_always']['flushes']} flush(es)"))
+        ROWS.append((f"{label}: lazy", f"{1e3 * t['eager']:.2f} ms", f"{1e3 * t['lazy']:.2f} ms", "-",
+                     f"**{t['eager'] / t['lazy']:.2f}x eager**; {p['flushes']} flushes, {p['ops']} ops, "
+                     f"{p['kernel_launches']} kernels; {len(p['host_syncs'] or [])} host syncs; "
+                     f"first call {first['lazy']:.1f} s"))
+        if "lazy_no_pipeline" in t:
+            ROWS.append(("  same, lazy(pipeline_ops=0)", f"{1e3 * t['eager']:.2f} ms",
+                         f"{1e3 * t['lazy_no_pipeline']:.2f} ms", "-",
+                         f"{t['eager'] / t['lazy_no_pipeline']:.2f}x eager"))
         ROWS.append(("  same, a dispatch mode that does nothing", f"{1e3 * t['eager']:.2f} ms",
                      f"{1e3 * t['dispatch_mode_floor']:.2f} ms", "-",
-                     f"{t['eager'] / t['dispatch_mode_floor']:.2f}x eager: the floor of interception at the dispatcher"))
-        if "lazy_eager_matmuls" in t:
-            q = profile["lazy_eager_matmuls"]
-            ROWS.append(("  same, lazy(defer_matmuls=False)", f"{1e3 * t['eager']:.2f} ms",
-                         f"{1e3 * t['lazy_eager_matmuls']:.2f} ms", "-",
-                         f"{t['eager'] / t['lazy_eager_matmuls']:.2f}x eager; {q['flushes']} flushes"))
+                     f"{t['eager'] / t['dispatch_mode_floor']:.2f}x eager: the floor of interception"))
 
-    # new sequence lengths: the size-free cache should compile nothing
+
+def training(kind: str, device: str, quick: bool, batch: int, seq: int) -> None:
+    """A training step (forward, backward, SGD update, zero_grad), fp32: eager vs lazy; the
+    loss of the lazy step checked against eager's on a copy of the model."""
+    import copy
+    model, vocab = _model(kind, quick, device, torch.float32)
+    model.train()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    block = torchfuse.lazy()
+
+    def step(m: Any, o: Any) -> torch.Tensor:
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        return loss.detach()
+
+    def lazy_step() -> torch.Tensor:
+        with block:
+            return step(model, opt)
+
+    sync(device)
+    t0 = time.perf_counter()
+    got = lazy_step()
+    sync(device)
+    first = time.perf_counter() - t0
+    torch.testing.assert_close(got, step(ref, ref_opt), atol=1e-3, rtol=1e-3)
+    n0 = len(block.flushes)
+    lazy_step()
+    new = block.flushes[n0:]
+    t = timeit({"eager": lambda: step(ref, ref_opt), "lazy": lazy_step}, device, 5 if quick else 8, inner=2)
+    label = f"{kind} fp32 training step batch {batch} seq {seq}"
+    DETAILS[label] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first,
+                      "table": str(new)}
+    ROWS.append((f"{label}: lazy", f"{1e3 * t['eager']:.2f} ms", f"{1e3 * t['lazy']:.2f} ms", "-",
+                 f"**{t['eager'] / t['lazy']:.2f}x eager**; {len(new)} flushes, {sum(f.ops for f in new)} ops, "
+                 f"{sum(f.kernels for f in new)} kernels; first call {first:.1f} s"))
+
+
+def new_sizes(device: str, quick: bool) -> None:
+    """New batch sizes and sequence lengths: the size-free cache should compile nothing."""
+    model, vocab = _model("gpt2", quick, device, torch.float32)
+    model.eval()
     block = torchfuse.lazy()
     compiles = []
-    for seq in ((48, 80, 100, 77, 130) if not quick else (40, 50, 70)):
-        ids = torch.randint(0, cfg.vocab_size, (2, seq), device=device)
+    for batch, seq in ([(2, 48), (2, 80), (3, 100), (5, 77), (2, 130)] if not quick else [(2, 40), (3, 50)]):
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
         before = counters["lazy_compiles"]
         with torch.no_grad(), block:
-            out = fwd(ids)
+            out = model(ids, use_cache=False).logits
         with torch.no_grad():
-            torch.testing.assert_close(out, fwd(ids), atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(out, model(ids, use_cache=False).logits, atol=2e-3, rtol=2e-3)
         compiles.append(counters["lazy_compiles"] - before)
-    DETAILS["gpt2"]["new_seq_compiles"] = compiles
-    ROWS.append(("GPT-2 lazy, batch 2, new sequence lengths", "-", "-", "-",
-                 f"graphs compiled per new length: {compiles}"))
+    DETAILS["new_sizes_compiles"] = compiles
+    ROWS.append(("GPT-2 lazy, new (batch, seq) 2x48, 2x80, 3x100, 5x77, 2x130", "-", "-", "-",
+                 f"graphs compiled per new size: {compiles}"))
 
 
 def main() -> None:
@@ -308,7 +340,13 @@ def main() -> None:
     row("per-op", lambda: per_op(device, args.quick))
     row("per-flush", lambda: per_flush(device, args.quick))
     row("6-op chain", lambda: big_chain(device, args.quick))
-    row("GPT-2", lambda: gpt2(device, args.quick))
+    big, small = ((2, 96), (1, 64)) if args.quick else ((8, 512), (1, 64))
+    for kind in ("gpt2", "llama"):
+        row(f"{kind} bf16", lambda: inference(kind, device, args.quick, torch.bfloat16, [big, small]))
+    row("gpt2 fp32", lambda: inference("gpt2", device, args.quick, torch.float32, [small]))
+    for kind in ("gpt2", "llama"):
+        row(f"{kind} training", lambda: training(kind, device, args.quick, *((2, 64) if args.quick else (4, 256))))
+    row("new sizes", lambda: new_sizes(device, args.quick))
     print("\n| benchmark | eager | lazy | torch.compile(torchfuse) | note |\n|---|---|---|---|---|")
     for r in ROWS:
         print("| " + " | ".join(r) + " |")

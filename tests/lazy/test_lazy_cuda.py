@@ -90,3 +90,31 @@ def test_cuda_pipelining_turns_on_for_large_work_and_stays_on():
     before = counters["lazy_compiles"]
     assert reasons(torch.randn(9, 256, device="cuda")) == on
     assert counters["lazy_compiles"] == before         # a new size reuses every part
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_attention_training_is_one_graph_per_pass(dtype):
+    """bf16 attention runs as flash attention (outputs include ints), fp32 as efficient
+    attention; both are recorded forward and backward: one flush each way."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    w = torch.randn(32, device="cuda", dtype=dtype)
+
+    def step(q, k, v):
+        out = F.scaled_dot_product_attention(q * 0.5, k, v, is_causal=True)
+        loss = (F.gelu(out) * w).float().square().mean()
+        loss.backward()
+        return loss.detach()
+
+    with torchfuse.lazy(options={"strict": True}) as ctx:
+        loss = step(q, k, v)
+        value = loss.item()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = step(q, k, v)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert value == pytest.approx(ref.item(), rel=tol)
+    for g, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(g, t.grad, atol=tol, rtol=tol)
+    assert [f.reason for f in ctx.flushes] == ["end of a backward pass"], ctx.explain()

@@ -123,12 +123,14 @@ def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: l
     except Exception as e:            # no meta kernel, data-dependent shape, invalid arguments
         raise Unrecordable(f"meta: {type(e).__name__}: {e}") from None
     outs = [out] if isinstance(out, torch.Tensor) else out
-    # None: an optional output not computed (convolution_backward's output_mask)
+    # Besides tensors: None, an optional output not computed (convolution_backward's
+    # output_mask), and plain ints (flash attention's max_q/max_k: the desc is the int itself)
     if not isinstance(outs, (list, tuple)) or not any(isinstance(o, torch.Tensor) for o in outs) or \
-            not all(o is None or isinstance(o, torch.Tensor) for o in outs):
+            not all(o is None or type(o) is int or isinstance(o, torch.Tensor) for o in outs):
         raise Unrecordable("outputs are not all tensors")
-    descs = [None if o is None else (o.size(), o.stride(), o.storage_offset(), o.dtype) for o in outs]
-    if any(d is not None and d[3] not in SUPPORTED_DTYPES for d in descs):
+    descs = [o if o is None or type(o) is int else (o.size(), o.stride(), o.storage_offset(), o.dtype)
+             for o in outs]
+    if any(type(d) is tuple and d[3] not in SUPPORTED_DTYPES for d in descs):
         raise Unrecordable("unsupported dtype")
     result = (descs, None if isinstance(out, torch.Tensor) else type(out))
     if len(_META_CACHE) >= _META_CACHE_MAX:
@@ -330,7 +332,10 @@ def _replay_views(node: LazyNode, k: int) -> None:
         if not node.is_view:
             raise RuntimeError("torchfuse.lazy: internal error: a value was not computed by its flush")
         chain.append(node)
-        node, k = node.inputs[0]
+        ref = node.inputs[0]
+        if type(ref) is not tuple:       # the chain starts at a real tensor (see view_root)
+            break
+        node, k = ref
     for n in reversed(chain):
         if n.results is None:
             publish(n, n.call([ref_real(r) for r in n.inputs]))
@@ -350,7 +355,7 @@ def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
         w = ref() if ref is not None else None
         if w is not None and w._lz_node is node:
             attach_real(w, real)
-    if all(r is not None or d is None for r, d in zip(results, node.descs)):
+    if all(r is not None or type(d) is not tuple for r, d in zip(results, node.descs)):
         # (`None in results` would call Tensor.__eq__)
         # Fully computed: the node is a leaf from now on; drop its inputs so that their memory
         # (and the whole chain of ancestors) can be freed.

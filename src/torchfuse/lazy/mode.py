@@ -233,7 +233,7 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
         if len(live) > 4 * ctx.max_nodes:
             ctx.pending_values()          # prune dead and computed entries
         return w, None
-    outs = [None if d is None else new_wrapper(d, node.device, node, k) for k, d in enumerate(node.descs)]
+    outs = [new_wrapper(d, node.device, node, k) if type(d) is tuple else d for k, d in enumerate(node.descs)]
     ctx._track([r for r in node.wrappers if r is not None])
     return node.container(outs), None
 
@@ -423,8 +423,8 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
         descs, container = output_descs(func, targs, tkwargs, skel, tensors, info.device_arg)
     except Unrecordable as e:
         return str(e)
-    dids = tuple(None if d is None else _did(d, device) for d in descs)
-    work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if d is not None)
+    dids = tuple(_did(d, device) if type(d) is tuple else None for d in descs)
+    work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if type(d) is tuple)
     return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work)
 
 
