@@ -49,6 +49,7 @@ START = time.perf_counter()
 BUDGET_S = 540.0
 ROWS: list[tuple[str, str, str, str, str]] = []     # name, eager, lazy, compiled, note
 DETAILS: dict[str, Any] = {}
+ONLY: set[str] = set()        # --only: the rows to run
 
 
 def row(name: str, fn: Callable[[], None]) -> None:
@@ -56,11 +57,16 @@ def row(name: str, fn: Callable[[], None]) -> None:
     if left < 10:
         ROWS.append((name, "-", "-", "-", "skipped: time budget"))
         return
+    if ONLY and name not in ONLY:
+        return
+    n0 = len(ROWS)
     try:
         fn()
     except Exception as e:      # one row failing must not lose the others
         ROWS.append((name, "-", "-", "-", f"ERROR {type(e).__name__}: {str(e)[:120]}"))
         DETAILS[f"error: {name}"] = traceback.format_exc()
+    for r in ROWS[n0:]:         # as they come: a run cut off by a time limit keeps them
+        print("| " + " | ".join(r) + " |", flush=True)
 
 
 def chain6(x: torch.Tensor) -> torch.Tensor:
@@ -329,7 +335,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated rows: per-op, per-flush, 6-op chain, "
+                    "gpt2 bf16, llama bf16, gpt2 fp32, gpt2 training, llama training, new sizes")
     args = ap.parse_args()
+    ONLY.update(x.strip() for x in args.only.split(",") if x.strip())
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available; use --device cpu for a smoke test")
