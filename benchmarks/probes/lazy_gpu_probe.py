@@ -303,13 +303,20 @@ def training(kind: str, device: str, quick: bool, batch: int, seq: int) -> None:
     n0 = len(block.flushes)
     lazy_step()
     new = block.flushes[n0:]
-    t = timeit({"eager": lambda: step(ref, ref_opt), "lazy": lazy_step}, device, 5 if quick else 8, inner=2)
+    def floor_step() -> torch.Tensor:
+        with _NoopMode():
+            return step(ref, ref_opt)
+
+    t = timeit({"eager": lambda: step(ref, ref_opt), "lazy": lazy_step, "floor": floor_step}, device,
+               5 if quick else 8, inner=2)
     label = f"{kind} fp32 training step batch {batch} seq {seq}"
     DETAILS[label] = {"ms": {k: 1e3 * v for k, v in t.items()}, "first_call_s": first,
                       "table": str(new)}
     ROWS.append((f"{label}: lazy", f"{1e3 * t['eager']:.2f} ms", f"{1e3 * t['lazy']:.2f} ms", "-",
                  f"**{t['eager'] / t['lazy']:.2f}x eager**; {len(new)} flushes, {sum(f.ops for f in new)} ops, "
                  f"{sum(f.kernels for f in new)} kernels; first call {first:.1f} s"))
+    ROWS.append(("  same, a dispatch mode that does nothing", f"{1e3 * t['eager']:.2f} ms",
+                 f"{1e3 * t['floor']:.2f} ms", "-", f"{t['eager'] / t['floor']:.2f}x eager: the floor of interception"))
 
 
 def new_sizes(device: str, quick: bool) -> None:

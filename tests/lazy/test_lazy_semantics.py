@@ -358,3 +358,16 @@ def test_random_ops_keep_the_random_stream():
     same(u, torch.rand(6) * 2)
     same(d, F.dropout(torch.ones(6) * 3, 0.5, training=True))
     same(n, torch.randn(3, 3).relu())
+
+
+def test_metadata_only_op_on_a_computed_value():
+    """empty_like of a LazyTensor computed earlier in the block runs on its real tensor (it
+    used to dispatch back to itself without end)."""
+    x = r(3, 4)
+    with torchfuse.lazy():
+        y = x * 2
+        y.sum().item()                   # y is computed now; z pending
+        z = torch.empty_like(y, memory_format=torch.contiguous_format) + (y - 1) * 0 + 3
+        w = (y + 1) * 2
+    assert z.shape == (3, 4)
+    same(w, (x * 2 + 1) * 2)

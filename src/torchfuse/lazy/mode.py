@@ -556,7 +556,9 @@ _METADATA_ONLY = {aten.empty_like.default, aten.new_empty.default, aten.new_empt
 
 
 def _standin(t: Any) -> Any:
-    if type(t) is LazyTensor and t._lz_real is None:
+    if type(t) is LazyTensor:
+        if t._lz_real is not None:
+            return t._lz_real      # the wrapper itself would dispatch back here, forever
         return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
     return t
 
