@@ -61,7 +61,7 @@ def _welford_combine(m1, q1, w1, m2, q2, w2):
 def _ln(x_ptr, w_ptr, b_ptr, o_ptr, xnumel, rnumel, RBLOCK: tl.constexpr, FORM: tl.constexpr,
         EVEN: tl.constexpr, EVICT: tl.constexpr):
     """Layer norm over rows pid, pid + grid, ...  FORM 0: shifted sums as torchfuse emitted them
-    before session 7 (five accumulators); 1: lean shifted sums (k loaded up front, lane counts
+    before the lean form (five accumulators); 1: lean shifted sums (k loaded up front, lane counts
     computed, the mean's sum from s1), as now; 2: Welford (Inductor's).  EVEN: no masks (a
     constant-true one).  EVICT: L2 hints."""
     rbase = tl.arange(0, RBLOCK)
