@@ -94,8 +94,8 @@ def test_cuda_pipelining_turns_on_for_large_work_and_stays_on():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_attention_training_is_one_graph_per_pass(dtype):
-    """bf16 attention runs as flash attention (outputs include ints), fp32 as efficient
-    attention; both are recorded, forward and backward."""
+    """bf16 attention runs as flash or cuDNN attention (flash's outputs include ints), fp32 as
+    efficient attention; all are recorded, forward and backward."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 64, 32, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     w = torch.randn(32, device="cuda", dtype=dtype)
@@ -119,7 +119,9 @@ def test_cuda_attention_training_is_one_graph_per_pass(dtype):
         torch.testing.assert_close(g, t.grad, atol=tol, rtol=tol)
     # bf16: one flush as the backward pass ends; fp32: the efficient-attention backward writes
     # its result with an eager copy_, which flushes once before it
+    # (which kernel -- flash, cuDNN, efficient -- depends on the GPU and the torch build)
     ops = {name for f in ctx.flushes for name in f.op_names}
-    attention = "flash" if dtype == torch.bfloat16 else "efficient"
-    assert f"aten._scaled_dot_product_{attention}_attention.default" in ops, ctx.explain()
+    assert any(n.startswith("aten._scaled_dot_product_") and n.endswith("attention.default") for n in ops), \
+        ctx.explain()
+    assert any(n.endswith("attention_backward.default") for n in ops), ctx.explain()
     assert len(ctx.flushes) <= (1 if dtype == torch.bfloat16 else 2), ctx.explain()
