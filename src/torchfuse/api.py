@@ -48,11 +48,16 @@ class Explanation:
     output: Any = None
 
     def __str__(self) -> str:
-        lines = [f"torchfuse explanation: {len(self.graphs)} graph stage(s), {len(self.kernels)} kernel(s), "
+        # two entries per compiled graph in `graphs` (before and after the passes)
+        n_graphs = len({g.split(":")[0].lstrip("# ") for g in self.graphs})
+        lines = [f"torchfuse explanation: {n_graphs} graph(s), {len(self.kernels)} kernel(s), "
                  f"{len(self.fallbacks)} ATen fallback(s)"]
+        changed = [p for p in self.passes if not p.endswith("(0 changes)")]
         if self.passes:
             lines.append("\npasses:")
-            lines += [f"  {p}" for p in self.passes]
+            lines += [f"  {p}" for p in changed]
+            if len(changed) < len(self.passes):
+                lines.append(f"  ({len(self.passes) - len(changed)} pass run(s) changed nothing)")
         if self.frozen:
             lines.append("\nhoisted parameter computations:")
             lines += [f"  {f}" for f in self.frozen]

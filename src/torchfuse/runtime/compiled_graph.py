@@ -24,6 +24,7 @@ from ..ir.lowering import lower_graph
 from ..passes import PassContext, run_passes
 from ..scheduler.fusion import buffer_readers, schedule
 from ..scheduler.loops import plan_loops
+from ..scheduler.naming import name_kernels
 from ..scheduler.split import SplitParams, split_reductions
 
 log = logging.getLogger("torchfuse")
@@ -133,6 +134,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         sched = schedule(program, config)
         if config.split_reductions:
             sched = split_reductions(sched, program, buffer_readers(sched, program), _split_params(program, config))
+        sched = name_kernels(sched)
     debug.write("fusion.txt", lambda: str(sched))
     counters.bump("fallback_ops", len(fallbacks))
     for node, op, reason in fallbacks:

@@ -139,6 +139,7 @@ class WrapperBuilder:
         self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten, "_split_factor": split_factor}
         self.lines: list[str] = []
         self.memory = MemoryPlan()
+        self.labels: dict[int, str] = {}     # line index -> profiler label (kernel calls)
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -230,6 +231,7 @@ class WrapperBuilder:
                         else:
                             self._alloc(m.buffer.name)
                             reusable.add(m.buffer.name)
+                self.labels[len(L)] = item.name
                 if item.name in self.kernel_calls:
                     L.append(f"    {self.kernel_calls[item.name]}")
                 else:
@@ -269,7 +271,23 @@ class WrapperBuilder:
             else:
                 outs.append(self.const(o[1]))
         L.append(f"    return ({''.join(x + ', ' for x in outs)})")
-        return "\n".join(L) + "\n"
+        return self._with_profiled_variant()
+
+    def _with_profiled_variant(self) -> str:
+        """`call`, plus `call_profiled`: the same steps with every kernel call inside a
+        `record_function` named after the kernel, so that torch.profiler shows C++ kernels (and
+        Triton launches' host time) by name.  `call` switches to it while a profiler runs: one
+        check per graph call, nothing per kernel."""
+        plain = ["def call(args):", "    if _profiling(): return call_profiled(args)"] + self.lines[1:]
+        profiled = ["", "", "# the same, with each kernel call named for torch.profiler",
+                    "def call_profiled(args):"]
+        for i, line in enumerate(self.lines[1:], start=1):
+            label = self.labels.get(i)
+            if label is None:
+                profiled.append(line)
+            else:
+                profiled += [f"    with _record_function({label!r}):", "    " + line]
+        return "\n".join(plain + profiled) + "\n"
 
     def _used_buffers(self) -> set[str]:
         """Buffers some step reads or the graph returns (an input read by nothing, a parameter
@@ -575,6 +593,8 @@ def make_callable(source: str, globals_: dict[str, Any], kernels: dict[str, Call
     scope = dict(globals_)
     scope.update(kernels)
     scope["_restride"] = _restride
+    scope["_profiling"] = torch._C._autograd._profiler_enabled
+    scope["_record_function"] = torch.profiler.record_function
     scope["_reinterpret"] = _reinterpret
     exec(compile(source, "<torchfuse wrapper>", "exec"), scope)
     return scope["call"]

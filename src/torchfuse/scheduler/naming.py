@@ -1,0 +1,49 @@
+"""Kernel names that say what a kernel does: `<kind>_fused_<ops>_<n>`.
+
+The scheduler numbers kernels as it forms them (`kernel3`, `kernel3_part` after a split).  Once
+the schedule is final each is renamed after the aten ops it fuses, in program order, the way
+Inductor names its kernels (`triton_poi_fused_add_relu_0`): `poi_fused_add_mul_relu_0`,
+`red_fused_mean_sub_pow_1`.  The names are what the profiler shows (Triton kernels by their
+function name, C++ kernels through the wrapper's profiled path), what `explain()` lists and what
+the debug folder's sources define.  Short (the first MAX_OPS distinct ops), deterministic
+(from the graph alone) and unique within a graph (the trailing index).
+"""
+from __future__ import annotations
+
+import re
+
+from .fusion import Kernel, Schedule
+
+MAX_OPS = 5
+_SUFFIX = re.compile(r"_\d+$")
+
+
+def op_of(origin: str) -> str:
+    """The op an fx node name stands for: `mul_3` -> `mul`, `_to_copy_1` -> `to_copy`."""
+    return _SUFFIX.sub("", origin).strip("_") or "op"
+
+
+def kernel_name(kernel: Kernel, index: int) -> str:
+    ops: list[str] = []
+    for origin in kernel.origins:
+        op = op_of(origin)[:24]
+        if op not in ops:
+            ops.append(op)
+    kind = "red" if kernel.kind == "reduction" else "poi"
+    shown = "_".join(ops[:MAX_OPS]) or "copy"
+    return f"{kind}_fused_{shown}_{index}"
+
+
+def name_kernels(sched: Schedule) -> Schedule:
+    """Rename the schedule's kernels after their ops (in place), and the refused-fusion reasons
+    that mention them; returns the schedule."""
+    renamed: dict[str, str] = {}
+    for i, kernel in enumerate(sched.kernels):
+        new = kernel_name(kernel, i)
+        renamed[kernel.name] = new
+        kernel.name = new
+    if renamed and sched.refused:
+        # longest first: kernel1_part before kernel1
+        pattern = re.compile("|".join(rf"\b{re.escape(k)}\b" for k in sorted(renamed, key=len, reverse=True)))
+        sched.refused = [pattern.sub(lambda m: renamed[m.group(0)], r) for r in sched.refused]
+    return sched
