@@ -3,7 +3,7 @@
 The scheduler numbers kernels as it forms them (`kernel3`, `kernel3_part` after a split).  Once
 the schedule is final each is renamed after the aten ops it fuses, in program order, the way
 Inductor names its kernels (`triton_poi_fused_add_relu_0`): `poi_fused_add_mul_relu_0`,
-`red_fused_mean_sub_pow_1`.  The names are what the profiler shows (Triton kernels by their
+`red_fused_mean_sub_pow_1`, `red_fused_sum_2_part` (a split reduction's partials).  The names are what the profiler shows (Triton kernels by their
 function name, C++ kernels through the wrapper's profiled path), what `explain()` lists and what
 the debug folder's sources define.  Short (the first MAX_OPS distinct ops), deterministic
 (from the graph alone) and unique within a graph (the trailing index).
@@ -31,7 +31,9 @@ def kernel_name(kernel: Kernel, index: int) -> str:
             ops.append(op)
     kind = "red" if kernel.kind == "reduction" else "poi"
     shown = "_".join(ops[:MAX_OPS]) or "copy"
-    return f"{kind}_fused_{shown}_{index}"
+    # a split reduction's partial / final-epilogue kernels keep saying so
+    role = next((r for r in ("_part", "_post") if kernel.name.endswith(r)), "")
+    return f"{kind}_fused_{shown}_{index}{role}"
 
 
 def name_kernels(sched: Schedule) -> Schedule:
