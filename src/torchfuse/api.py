@@ -15,13 +15,16 @@ class KernelInfo:
     name: str
     backend: str                 # "cpp", "triton" or "interpreter"
     source: str                  # the kernel's own source text
-    nodes: list[str]             # the aten nodes fused into it (e.g. "mul_1: aten.mul.Tensor")
+    nodes: list[str]             # names of the aten graph's nodes fused into it, e.g. "mul_1"
     kind: str = "pointwise"      # "pointwise" or "reduction"
     graph: str = ""              # the compiled graph it belongs to, e.g. "graph3_backward"
+    lines: list[str] = field(default_factory=list)   # the user's source lines of those nodes
+                                                     # ("model.py:42  return x * 2"), from Dynamo
 
     def __str__(self) -> str:
         where = f"{self.graph}." if self.graph else ""
-        return f"{where}{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
+        text = f"{where}{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
+        return text + "".join(f"\n      at {line}" for line in self.lines)
 
 
 @dataclass

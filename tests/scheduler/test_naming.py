@@ -68,3 +68,20 @@ def test_profiler_shows_kernels_by_name(backend):
     assert {k.name for k in e.kernels} <= events, sorted(events)
     assert "aten::mm" in events                        # the ATen fallback between them
     torch._dynamo.reset()
+
+
+class TwoLines(torch.nn.Module):
+    def forward(self, x, w):
+        h = torch.relu(x * 2 + 1)
+        return (h @ w).softmax(-1)
+
+
+def test_explain_maps_each_kernel_to_the_source_lines_it_fuses():
+    x, w = torch.randn(8, 4), torch.randn(4, 3)
+    e = torchfuse.explain(TwoLines(), x, w)
+    torch.testing.assert_close(e.output, TwoLines()(x, w))
+    first, second = e.kernels
+    assert [line.split("  ", 1)[1] for line in first.lines] == ["h = torch.relu(x * 2 + 1)"]
+    assert [line.split("  ", 1)[1] for line in second.lines] == ["return (h @ w).softmax(-1)"]
+    assert all(line.startswith("test_naming.py:") for line in first.lines + second.lines)
+    assert "at test_naming.py:" in str(e)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import logging
+import re
 import time
 import warnings
 from pathlib import Path
@@ -119,6 +120,26 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     return _lower_and_build(gm, config, graph_name, debug, report, t0)
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(.*)')
+
+
+def source_lines(gm: fx.GraphModule, names: list[str]) -> list[str]:
+    """The user's source lines behind graph nodes (Dynamo's stack traces, innermost frame),
+    as "file.py:42  code", in order, without repeats; empty where the graph has none."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out: list[str] = []
+    for name in names:
+        node = by_name.get(name)
+        trace = node.meta.get("stack_trace") if node is not None else None
+        frames = _FRAME.findall(trace) if trace else []
+        if frames:
+            path, line, code = frames[-1]
+            text = f"{os.path.basename(path)}:{line}  {code.strip()}"
+            if text not in out:
+                out.append(text)
+    return out
+
+
 def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug: "DebugWriter",
                      report: Explanation | None, t0: float) -> Callable:
     """The stages after the graph passes: lowering, fusion, codegen, build, wrapper."""
@@ -192,7 +213,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
             else:
                 unique[canon] = kernel.name
                 sources.append(src)
-            infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name))
+            infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name,
+                                    source_lines(gm, kernel.origins)))
     except NotImplementedError as e:
         if config.strict:
             raise
