@@ -1,7 +1,9 @@
 """The user-facing entry points: `compile`, `explain` and the `Explanation` report."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -48,7 +50,17 @@ class Explanation:
     passes: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)   # per graph: parameter-only values hoisted out of calls
     memory: list[str] = field(default_factory=list)   # per graph: the wrapper's planned peak bytes, reuse
+    stage_seconds: dict[str, float] = field(default_factory=dict)   # compile wall time by stage
     output: Any = None
+
+    def save_html(self, path: str | os.PathLike) -> Path:
+        """Write this report as one self-contained HTML page (see `torchfuse.tools.html_report`):
+        per graph, a picture of its kernels and the nodes each fuses, their sources and source
+        lines, fallbacks and refused fusions with reasons, compile time by stage."""
+        from .tools.html_report import render
+        out = Path(path)
+        out.write_text(render(self), encoding="utf-8")
+        return out
 
     def __str__(self) -> str:
         # two entries per compiled graph in `graphs` (before and after the passes)
@@ -96,10 +108,15 @@ def explain(fn: Callable, *args: Any, options: Mapping[str, Any] | None = None, 
     """
     from .frontend.dynamo import TorchfuseBackend
 
+    from .counters import counters
+
     torch._dynamo.reset()
     report = Explanation()
     backend = TorchfuseBackend(Config.from_options(options), report=report)
     compiled = torch.compile(fn, backend=backend)
+    before = dict(counters.seconds)
     report.output = compiled(*args, **kwargs)
+    report.stage_seconds = {k: v - before.get(k, 0.0) for k, v in counters.seconds.items()
+                            if v - before.get(k, 0.0) > 0}
     torch._dynamo.reset()
     return report

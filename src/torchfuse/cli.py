@@ -5,6 +5,7 @@ torchfuse makes of a model.
     torchfuse cache show                   # what the cache holds, by kind
     torchfuse cache clear [--yes]          # remove it (kernels, Triton modules, compiled graphs)
     torchfuse explain pkg.module:factory   # factory() -> (model or function, args): the report
+                  [--html report.html]     # also as an HTML page
 """
 from __future__ import annotations
 
@@ -105,6 +106,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     options = json.loads(args.options) if args.options else None
     report = torchfuse.explain(fn, *inputs, options=options)
     print(report)
+    if args.html:
+        print(f"\nHTML report: {report.save_html(args.html)}")
     return 0
 
 
@@ -119,6 +122,7 @@ def parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="compile a model and print what was fused, what fell back and why")
     explain.add_argument("target", help="module:factory, where factory() returns (model or function, args)")
     explain.add_argument("--options", help='torchfuse options as JSON, e.g. \'{"fuse": false}\'')
+    explain.add_argument("--html", metavar="FILE", help="also write the report as an HTML page")
     explain.set_defaults(run=cmd_explain)
     return ap
 
