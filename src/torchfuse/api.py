@@ -1,92 +1,14 @@
 """The user-facing entry points: `compile`, `explain` and the `Explanation` report."""
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 
 from .config import Config
+from .report import Explanation, FallbackInfo, KernelInfo
 
-
-@dataclass
-class KernelInfo:
-    """One generated kernel."""
-    name: str
-    backend: str                 # "cpp", "triton" or "interpreter"
-    source: str                  # the kernel's own source text
-    nodes: list[str]             # names of the aten graph's nodes fused into it, e.g. "mul_1"
-    kind: str = "pointwise"      # "pointwise" or "reduction"
-    graph: str = ""              # the compiled graph it belongs to, e.g. "graph3_backward"
-    lines: list[str] = field(default_factory=list)   # the user's source lines of those nodes
-                                                     # ("model.py:42  return x * 2"), from Dynamo
-
-    def __str__(self) -> str:
-        where = f"{self.graph}." if self.graph else ""
-        text = f"{where}{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
-        return text + "".join(f"\n      at {line}" for line in self.lines)
-
-
-@dataclass
-class FallbackInfo:
-    """One aten op that ran through ATen inside a compiled graph."""
-    node: str
-    op: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.node}: {self.op} ({self.reason})"
-
-
-@dataclass
-class Explanation:
-    """What torchfuse did to a program: graphs per stage, kernels, fallbacks, refused fusions."""
-    graphs: list[str] = field(default_factory=list)
-    kernels: list[KernelInfo] = field(default_factory=list)
-    fallbacks: list[FallbackInfo] = field(default_factory=list)
-    refused_fusions: list[str] = field(default_factory=list)
-    passes: list[str] = field(default_factory=list)
-    frozen: list[str] = field(default_factory=list)   # per graph: parameter-only values hoisted out of calls
-    memory: list[str] = field(default_factory=list)   # per graph: the wrapper's planned peak bytes, reuse
-    stage_seconds: dict[str, float] = field(default_factory=dict)   # compile wall time by stage
-    output: Any = None
-
-    def save_html(self, path: str | os.PathLike) -> Path:
-        """Write this report as one self-contained HTML page (see `torchfuse.tools.html_report`):
-        per graph, a picture of its kernels and the nodes each fuses, their sources and source
-        lines, fallbacks and refused fusions with reasons, compile time by stage."""
-        from .tools.html_report import render
-        out = Path(path)
-        out.write_text(render(self), encoding="utf-8")
-        return out
-
-    def __str__(self) -> str:
-        # two entries per compiled graph in `graphs` (before and after the passes)
-        n_graphs = len({g.split(":")[0].lstrip("# ") for g in self.graphs})
-        lines = [f"torchfuse explanation: {n_graphs} graph(s), {len(self.kernels)} kernel(s), "
-                 f"{len(self.fallbacks)} ATen fallback(s)"]
-        changed = [p for p in self.passes if not p.endswith("(0 changes)")]
-        if self.passes:
-            lines.append("\npasses:")
-            lines += [f"  {p}" for p in changed]
-            if len(changed) < len(self.passes):
-                lines.append(f"  ({len(self.passes) - len(changed)} pass run(s) changed nothing)")
-        if self.frozen:
-            lines.append("\nhoisted parameter computations:")
-            lines += [f"  {f}" for f in self.frozen]
-        if self.memory:
-            lines.append("\nmemory:")
-            lines += [f"  {m}" for m in self.memory]
-        lines.append("\nkernels:")
-        lines += [f"  {k}" for k in self.kernels] or ["  (none)"]
-        lines.append("\nfallbacks to ATen:")
-        lines += [f"  {f}" for f in self.fallbacks] or ["  (none)"]
-        if self.refused_fusions:
-            lines.append("\nrefused fusions:")
-            lines += [f"  {r}" for r in self.refused_fusions]
-        return "\n".join(lines)
+__all__ = ["compile", "explain", "Explanation", "KernelInfo", "FallbackInfo"]
 
 
 def compile(fn: Callable | None = None, *, mode: str | None = None, dynamic: bool | None = None,

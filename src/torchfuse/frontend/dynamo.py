@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx as fx
 
-from ..api import Explanation
+from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs

@@ -573,3 +573,22 @@ def map_nodes(n: Node, fn: Callable[[Node, tuple[Node, ...]], Node]) -> Node:
         args = tuple(memo[a] for a in x.args)
         memo[x] = fn(x, args)
     return memo[n]
+
+
+def py_index(n: Node) -> str:
+    """An index Node as a Python int expression (sizes are non-negative, so // and % agree)."""
+    if n.op == "const":
+        return str(int(n.arg))
+    if n.op in ("sym", "var"):
+        return n.arg
+    if n.op == "add":
+        return "(" + " + ".join(py_index(a) for a in n.args) + ")"
+    if n.op == "mul":
+        return "(" + " * ".join(py_index(a) for a in n.args) + ")"
+    if n.op == "floordiv":
+        return f"({py_index(n.args[0])} // {py_index(n.args[1])})"
+    if n.op == "mod":
+        return f"({py_index(n.args[0])} % {py_index(n.args[1])})"
+    if n.op == "maximum":
+        return f"max({py_index(n.args[0])}, {py_index(n.args[1])})"
+    raise ValueError(f"not an index expression: {n}")

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..api import Explanation
+from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 

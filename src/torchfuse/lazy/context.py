@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, _push_mode
 
-from ..api import Explanation
+from ..report import Explanation
 from ..config import Config
 from .cache import config_token
 from .graph import FlushLog, FlushRecord, LazyNode, flush

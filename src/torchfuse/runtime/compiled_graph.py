@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..api import Explanation, FallbackInfo, KernelInfo
+from ..report import Explanation, FallbackInfo, KernelInfo
 from ..config import Config
 from ..counters import counters
 from ..ir.buffers import Unsupported

@@ -14,27 +14,8 @@ from typing import Any, Callable
 import torch
 
 from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph
-from ..ir.nodes import INDEX, Node, loads as _ir_loads
+from ..ir.nodes import INDEX, Node, loads as _ir_loads, py_index
 from ..scheduler.fusion import Kernel
-
-
-def py_index(n: Node) -> str:
-    """An index Node as a Python int expression (sizes are non-negative, so // and % agree)."""
-    if n.op == "const":
-        return str(int(n.arg))
-    if n.op in ("sym", "var"):
-        return n.arg
-    if n.op == "add":
-        return "(" + " + ".join(py_index(a) for a in n.args) + ")"
-    if n.op == "mul":
-        return "(" + " * ".join(py_index(a) for a in n.args) + ")"
-    if n.op == "floordiv":
-        return f"({py_index(n.args[0])} // {py_index(n.args[1])})"
-    if n.op == "mod":
-        return f"({py_index(n.args[0])} % {py_index(n.args[1])})"
-    if n.op == "maximum":
-        return f"max({py_index(n.args[0])}, {py_index(n.args[1])})"
-    raise ValueError(f"not an index expression: {n}")
 
 
 def _tuple(nodes) -> str:

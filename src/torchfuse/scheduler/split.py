@@ -242,7 +242,7 @@ class _Splitter:
             s = divisor or s
             split, chunk, masked = const(s), const(-(-length.arg // s)), divisor is None
         else:
-            from ..runtime.wrapper import py_index
+            from ..ir.nodes import py_index
             split, chunk, masked = sym(f"{kernel.name}_split"), sym(f"{kernel.name}_chunk"), True
             r = py_index(length)
             bindings = [(split.arg, f"_split_factor({per_row}, {r}, {p.target}, {min_chunk})"),

@@ -12,7 +12,7 @@ import html
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..api import Explanation, KernelInfo
+    from ..report import Explanation, KernelInfo
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }

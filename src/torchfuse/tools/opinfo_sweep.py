@@ -316,7 +316,7 @@ def _torchfuse_run(op: Any, cases: Sequence[_Case], options: dict) -> _Run:
     from torch._dynamo.utils import counters as dynamo_counters
 
     from .. import counters
-    from ..api import Explanation
+    from ..report import Explanation
     from ..config import Config
     from ..frontend.dynamo import TorchfuseBackend
 
