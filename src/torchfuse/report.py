@@ -21,10 +21,14 @@ class KernelInfo:
     graph: str = ""              # the compiled graph it belongs to, e.g. "graph3_backward"
     lines: list[str] = field(default_factory=list)   # the user's source lines of those nodes
                                                      # ("model.py:42  return x * 2"), from Dynamo
+    writes: list[str] = field(default_factory=list)  # buffers it stores, with the node each holds
+                                                     # ("buf3 (relu)"); the rest stay in registers
 
     def __str__(self) -> str:
         where = f"{self.graph}." if self.graph else ""
         text = f"{where}{self.name} [{self.backend}, {self.kind}] <- " + ", ".join(self.nodes)
+        if self.writes:
+            text += "\n      writes " + ", ".join(self.writes)
         return text + "".join(f"\n      at {line}" for line in self.lines)
 
 

@@ -85,3 +85,14 @@ def test_explain_maps_each_kernel_to_the_source_lines_it_fuses():
     assert [line.split("  ", 1)[1] for line in second.lines] == ["return (h @ w).softmax(-1)"]
     assert all(line.startswith("test_naming.py:") for line in first.lines + second.lines)
     assert "at test_naming.py:" in str(e)
+
+
+def test_explain_says_what_each_kernel_writes():
+    def fn(x):
+        h = torch.relu(x * 2 + 1)          # read again by the second kernel: stored
+        return h.sum(-1), h * 3
+    e = torchfuse.explain(fn, torch.randn(6, 5))
+    writes = {k.name: k.writes for k in e.kernels}
+    assert all(writes.values()), writes
+    assert all(w.startswith("buf") and w.endswith(")") for ws in writes.values() for w in ws), writes
+    assert "writes buf" in str(e)

@@ -213,8 +213,10 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
             else:
                 unique[canon] = kernel.name
                 sources.append(src)
+            writes = [f"{m.buffer.name} ({m.buffer.origins[-1] if m.buffer.origins else '?'})"
+                      for m in kernel.members if m.buffer.name in plan.stored]
             infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name,
-                                    source_lines(gm, kernel.origins)))
+                                    source_lines(gm, kernel.origins), writes))
     except NotImplementedError as e:
         if config.strict:
             raise

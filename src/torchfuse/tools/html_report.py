@@ -79,6 +79,8 @@ def render(report: "Explanation") -> str:
             body.append(f'<h3 id="{_e(g)}.{_e(k.name)}"><code>{_e(k.name)}</code> '
                         f'<span class="muted">[{_e(k.backend)}, {_e(k.kind)}]</span></h3>')
             body.append(f"<div>fuses: <code>{_e(', '.join(k.nodes))}</code></div>")
+            if k.writes:
+                body.append(f"<div>writes: <code>{_e(', '.join(k.writes))}</code></div>")
             if k.lines:
                 body.append("<div>from: " + "<br>".join(f"<code>{_e(line)}</code>" for line in k.lines) + "</div>")
             body.append(f"<details><summary>source</summary><pre>{_e(k.source)}</pre></details>")
