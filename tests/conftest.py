@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from typing import Any, Callable, Iterable, Mapping
 
 import pytest
@@ -21,14 +23,25 @@ from torchfuse import counters
 
 @pytest.fixture(scope="session", autouse=True)
 def _torchfuse_cache_dir(tmp_path_factory: pytest.TempPathFactory):
-    """A fresh kernel cache for this session (Config reads the variable when it is built)."""
-    old = os.environ.get("TORCHFUSE_CACHE_DIR")
-    os.environ["TORCHFUSE_CACHE_DIR"] = str(tmp_path_factory.mktemp("torchfuse_cache"))
+    """A fresh kernel cache for this session (Config reads the variable when it is built), and
+    a session temp folder for everything else the tests make through `tempfile` (build folders
+    kept after a failed C++ build on purpose, private caches, subprocesses' TMPDIR); both are
+    removed when the session ends."""
+    cache = tmp_path_factory.mktemp("torchfuse_cache")
+    scratch = tmp_path_factory.mktemp("tmp")
+    old = {k: os.environ.get(k) for k in ("TORCHFUSE_CACHE_DIR", "TMPDIR")}
+    old_tempdir = tempfile.tempdir
+    os.environ["TORCHFUSE_CACHE_DIR"] = str(cache)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(scratch)
     yield
-    if old is None:
-        os.environ.pop("TORCHFUSE_CACHE_DIR", None)
-    else:
-        os.environ["TORCHFUSE_CACHE_DIR"] = old
+    tempfile.tempdir = old_tempdir
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
