@@ -1,10 +1,11 @@
-"""`python -m torchfuse` (torchfuse/cli.py): env, cache show / clear, explain module:factory."""
+"""`python -m torchfuse` (torchfuse/cli.py): env, cache show / clear, explain module:factory, bench."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from torchfuse import cli
@@ -48,3 +49,15 @@ def test_explain_a_factory(tmp_path):
     assert "kernel" in out.stdout and "graph" in out.stdout, out.stdout
     bad = _run("explain", "my_model", cwd=tmp_path)
     assert bad.returncode != 0 and "module:function" in bad.stderr
+
+
+def test_bench_lists_and_runs_the_checkouts_benchmarks(capsys):
+    if cli.benchmarks_dir() is None:
+        pytest.skip("not a source checkout")
+    assert cli.main(["bench"]) == 0
+    listed = capsys.readouterr().out.split()
+    assert {"zoo", "cpu_bench", "lazy_bench", "compile_bench"} <= set(listed), listed
+    out = _run("bench", "lazy_bench", "--help")
+    assert out.returncode == 0 and "--quick" in out.stdout, out.stderr[-2000:]
+    bad = _run("bench", "no_such_bench")
+    assert bad.returncode != 0 and "no benchmark 'no_such_bench'" in bad.stderr

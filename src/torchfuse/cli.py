@@ -6,6 +6,7 @@ torchfuse makes of a model.
     torchfuse cache clear [--yes]          # remove it (kernels, Triton modules, compiled graphs)
     torchfuse explain pkg.module:factory   # factory() -> (model or function, args): the report
                   [--html report.html]     # also as an HTML page
+    torchfuse bench [NAME [ARGS...]]       # list / run the benchmarks (source checkout)
 """
 from __future__ import annotations
 
@@ -111,6 +112,29 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def benchmarks_dir() -> Path | None:
+    """The source checkout's `benchmarks/` folder (next to `src/torchfuse`), if this torchfuse
+    runs from one (an editable install); a wheel ships no benchmarks."""
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    return folder if (folder / "zoo.py").is_file() else None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    folder = benchmarks_dir()
+    if folder is None:
+        raise SystemExit("torchfuse bench: the benchmarks live in torchfuse's source checkout "
+                         "(benchmarks/); install it from one with `pip install -e .`")
+    names = sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+    if args.name is None:
+        print("benchmarks (torchfuse bench NAME [its arguments], NAME --help for each):")
+        for name in names:
+            print(f"  {name}")
+        return 0
+    if args.name not in names:
+        raise SystemExit(f"torchfuse bench: no benchmark {args.name!r}; there are: {', '.join(names)}")
+    return subprocess.call([sys.executable, str(folder / f"{args.name}.py"), *args.rest])
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="torchfuse", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -124,6 +148,10 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--options", help='torchfuse options as JSON, e.g. \'{"fuse": false}\'')
     explain.add_argument("--html", metavar="FILE", help="also write the report as an HTML page")
     explain.set_defaults(run=cmd_explain)
+    bench = sub.add_parser("bench", help="run a benchmark from the source checkout (no name: list them)")
+    bench.add_argument("name", nargs="?", help="e.g. zoo, cpu_bench, lazy_bench, compile_bench")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    bench.set_defaults(run=cmd_bench)
     return ap
 
 
