@@ -67,8 +67,7 @@ def _replace(path: Path, data: bytes) -> None:
 @pytest.fixture
 def cfg(tmp_path: Path):
     clear_memory_cache()
-    # A damaged entry warns once per path and process; pytest may hand a later test the
-    # path of an earlier one (it removes passed tests' folders and reuses their numbers).
+    # A damaged entry warns once per path and process: start each test with none warned.
     cpp_build._logged_invalid.clear()
     yield Config(cache_dir=tmp_path / "cache")
     clear_memory_cache()
