@@ -101,3 +101,21 @@ def test_a_real_browser_renders_it(report, tmp_path):
                           f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", path.as_uri()],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert "<svg" in dom and all(k.name in dom for k in report.kernels)
+
+
+def test_a_training_report_lists_each_fallback_under_its_own_graph(tmp_path):
+    w = torch.randn(4, 3, requires_grad=True)
+
+    def step(x):
+        return (torch.relu(x * 2 + 1) @ w).softmax(-1).sum()
+
+    x = torch.randn(8, 4, requires_grad=True)
+    e = torchfuse.explain(lambda t: torch.autograd.grad(step(t), (t, w)), x)
+    expected = torch.autograd.grad(step(x), (x, w))
+    for got, want in zip(e.output, expected):
+        torch.testing.assert_close(got, want)
+    graphs = e.graph_names()
+    assert len(graphs) >= 2, graphs                         # forward and backward
+    assert {f.graph for f in e.fallbacks} <= set(graphs) and len({f.graph for f in e.fallbacks}) >= 2
+    page = e.save_html(tmp_path / "r.html").read_text()
+    assert page.count("(no lowering for this op)") == len(e.fallbacks)   # each listed once

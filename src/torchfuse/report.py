@@ -38,6 +38,7 @@ class FallbackInfo:
     node: str
     op: str
     reason: str
+    graph: str = ""              # the compiled graph it belongs to
 
     def __str__(self) -> str:
         return f"{self.node}: {self.op} ({self.reason})"
@@ -65,12 +66,19 @@ class Explanation:
         out.write_text(render(self), encoding="utf-8")
         return out
 
+    def graph_names(self) -> list[str]:
+        """The compiled graphs, in order (`graphs` holds two texts per graph, before and after
+        the passes, each starting "# <graph name>: ...")."""
+        return list(dict.fromkeys(graph_of(g) for g in self.graphs))
+
+    def changed_passes(self) -> list[str]:
+        """The pass runs that changed the graph (`passes` lists every run)."""
+        return [p for p in self.passes if not p.endswith("(0 changes)")]
+
     def __str__(self) -> str:
-        # two entries per compiled graph in `graphs` (before and after the passes)
-        n_graphs = len({g.split(":")[0].lstrip("# ") for g in self.graphs})
-        lines = [f"torchfuse explanation: {n_graphs} graph(s), {len(self.kernels)} kernel(s), "
+        lines = [f"torchfuse explanation: {len(self.graph_names())} graph(s), {len(self.kernels)} kernel(s), "
                  f"{len(self.fallbacks)} ATen fallback(s)"]
-        changed = [p for p in self.passes if not p.endswith("(0 changes)")]
+        changed = self.changed_passes()
         if self.passes:
             lines.append("\npasses:")
             lines += [f"  {p}" for p in changed]
@@ -90,3 +98,9 @@ class Explanation:
             lines.append("\nrefused fusions:")
             lines += [f"  {r}" for r in self.refused_fusions]
         return "\n".join(lines)
+
+
+def graph_of(line: str) -> str:
+    """The graph a per-graph report line belongs to ("# graph3_backward: ..." and
+    "graph3_backward: ..." -> "graph3_backward")."""
+    return line.split(":", 1)[0].lstrip("# ").strip()

@@ -479,18 +479,14 @@ def _try_record_inplace(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple
     old = target._lz_node
     if old is None or old.is_view or old.has_views or old.container is not None:
         return None, "in-place on an aliased value"
-    node, why = _make_node(ctx, info.functional, op_info(info.functional), args, kwargs)
+    node, why = _functional_node(ctx, info, args, kwargs, target)
     if node is None:
         return None, why
     if target._lz_real is not None:         # a size-limit flush computed it meanwhile
         return None, "in-place on a computed value"
-    size, stride, _, dtype = node.descs[0]
-    if node.container is not None or (size, stride, dtype) != (target.size(), target.stride(), target.dtype):
-        return None, "in-place result differs in dtype or layout"
     _commit(ctx, node)
     old.wrappers[target._lz_idx] = None
-    target._lz_node, target._lz_idx = node, 0
-    node.wrappers[0] = weakref.ref(target)
+    _repoint(target, node)
     return target, None
 
 
@@ -504,23 +500,37 @@ def _try_record_update(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple,
     is not written, so values recorded from `w` before keep the old contents, as in eager mode.
     """
     target: LazyTensor = args[0]
-    real = target._lz_real
     # held by the wrapper, its computed tensor and the storage object made for this call
-    if torch._C._storage_Use_Count(real.untyped_storage()._cdata) > 3:
+    if torch._C._storage_Use_Count(target._lz_real.untyped_storage()._cdata) > 3:
         return None, "in-place on an aliased value"
+    node, why = _functional_node(ctx, info, args, kwargs, target)
+    if node is None:
+        return None, why
+    _commit(ctx, node)
+    target._lz_real = None
+    ctx._track([_repoint(target, node)])
+    return target, None
+
+
+def _functional_node(ctx: "LazyContext", info: OpInfo, args: tuple, kwargs: dict, target: LazyTensor,
+                     ) -> tuple[LazyNode | None, str | None]:
+    """A node for the out-of-place twin of an in-place op on `target` (not yet committed), or
+    (None, why) when it cannot be recorded or its result would differ from `target` in dtype or
+    layout (in-place ops cast to `self`'s dtype; let eager mode do that, or raise)."""
     node, why = _make_node(ctx, info.functional, op_info(info.functional), args, kwargs)
     if node is None:
         return None, why
     size, stride, _, dtype = node.descs[0]
-    if node.container is not None or (size, stride, dtype) != (real.size(), real.stride(), real.dtype):
+    if node.container is not None or (size, stride, dtype) != (target.size(), target.stride(), target.dtype):
         return None, "in-place result differs in dtype or layout"
-    _commit(ctx, node)
-    target._lz_real = None
+    return node, None
+
+
+def _repoint(target: LazyTensor, node: LazyNode) -> weakref.ref:
+    """Make `target` stand for `node`'s (single) output from now on."""
     target._lz_node, target._lz_idx = node, 0
-    ref = weakref.ref(target)
-    node.wrappers[0] = ref
-    ctx._track([ref])
-    return target, None
+    ref = node.wrappers[0] = weakref.ref(target)
+    return ref
 
 
 # --------------------------------------------------------------------------------------------

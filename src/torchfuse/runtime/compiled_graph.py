@@ -123,14 +123,13 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(.*)')
 
 
-def source_lines(gm: fx.GraphModule, names: list[str]) -> list[str]:
-    """The user's source lines behind graph nodes (Dynamo's stack traces, innermost frame),
-    as "file.py:42  code", in order, without repeats; empty where the graph has none."""
-    by_name = {n.name: n for n in gm.graph.nodes}
+def source_lines(traces: dict[str, str | None], names: list[str]) -> list[str]:
+    """The user's source lines behind graph nodes (`traces`: node name -> Dynamo's stack trace;
+    its innermost frame), as "file.py:42  code", in order, without repeats; empty where the
+    graph has none."""
     out: list[str] = []
     for name in names:
-        node = by_name.get(name)
-        trace = node.meta.get("stack_trace") if node is not None else None
+        trace = traces.get(name)
         frames = _FRAME.findall(trace) if trace else []
         if frames:
             path, line, code = frames[-1]
@@ -175,6 +174,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     site_calls: dict[str, str] = {}
     sites: dict[str, tuple] = {}
     sources, infos = [], []
+    traces = {n.name: n.meta.get("stack_trace") for n in gm.graph.nodes} if report is not None else {}
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
     try:
@@ -213,10 +213,11 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
             else:
                 unique[canon] = kernel.name
                 sources.append(src)
-            writes = [f"{m.buffer.name} ({m.buffer.origins[-1] if m.buffer.origins else '?'})"
-                      for m in kernel.members if m.buffer.name in plan.stored]
-            infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name,
-                                    source_lines(gm, kernel.origins), writes))
+            if report is not None:
+                writes = [f"{m.buffer.name} ({m.buffer.origins[-1] if m.buffer.origins else '?'})"
+                          for m in kernel.members if m.buffer.name in plan.stored]
+                infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name,
+                                        source_lines(traces, kernel.origins), writes))
     except NotImplementedError as e:
         if config.strict:
             raise
@@ -234,7 +235,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     debug.write("wrapper.py", wrapper_src)
     if report is not None:
         report.kernels += infos
-        report.fallbacks += [FallbackInfo(n, op, reason) for n, op, reason in fallbacks]
+        report.fallbacks += [FallbackInfo(n, op, reason, graph_name) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
     try:
         with counters.timed("build"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
+from ..report import graph_of
+
 if TYPE_CHECKING:
     from ..report import Explanation, KernelInfo
 
@@ -26,11 +28,6 @@ _COLORS = {"pointwise": "#cfe8ff", "reduction": "#ffe2c2", "aten": "#e4e4e4"}
 
 def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
-
-
-def _graph_of(text: str) -> str:
-    """The graph a report line belongs to ("graph3_backward: ..." -> "graph3_backward")."""
-    return text.split(":", 1)[0].lstrip("# ").strip()
 
 
 def picture(kernels: list["KernelInfo"], fallbacks: list[str]) -> str:
@@ -58,11 +55,7 @@ def picture(kernels: list["KernelInfo"], fallbacks: list[str]) -> str:
 
 
 def render(report: "Explanation") -> str:
-    graphs: list[str] = []
-    for text in report.graphs + [k.graph for k in report.kernels]:
-        g = _graph_of(text) if text else ""
-        if g and g not in graphs:
-            graphs.append(g)
+    graphs = report.graph_names()
     body = [f"<h1>torchfuse: {len(graphs)} graph(s), {len(report.kernels)} kernel(s), "
             f"{len(report.fallbacks)} ATen fallback(s)</h1>"]
     if report.stage_seconds:
@@ -72,7 +65,7 @@ def render(report: "Explanation") -> str:
         body.append("</table>")
     for g in graphs:
         kernels = [k for k in report.kernels if k.graph == g]
-        fallbacks = [f for f in report.fallbacks if getattr(f, "graph", g) == g]
+        fallbacks = [f for f in report.fallbacks if f.graph == g]
         body.append(f'<h2 id="{_e(g)}">{_e(g)}</h2>')
         body.append(picture(kernels, [f"{f.node}: {f.op}" for f in fallbacks]))
         for k in kernels:
@@ -89,17 +82,20 @@ def render(report: "Explanation") -> str:
             body += [f"<li><code>{_e(f.node)}</code>: <code>{_e(f.op)}</code> ({_e(f.reason)})</li>"
                      for f in fallbacks]
             body.append("</ul>")
-        sections = [("refused fusions", [r for r in report.refused_fusions]),
-                    ("passes that changed something",
-                     [p for p in report.passes if _graph_of(p) == g and not p.endswith("(0 changes)")]),
-                    ("memory", [m for m in report.memory if _graph_of(m) == g])]
-        for title, items in sections:
-            if items and (title != "refused fusions" or g == graphs[0]):
-                body.append(f"<h3>{_e(title)}</h3><ul>" + "".join(f"<li><code>{_e(i)}</code></li>" for i in items)
-                            + "</ul>")
+        body.append(_items("passes that changed something",
+                           [p for p in report.changed_passes() if graph_of(p) == g]))
+        body.append(_items("memory", [m for m in report.memory if graph_of(m) == g]))
         for text in report.graphs:
-            if _graph_of(text) == g:
+            if graph_of(text) == g:
                 title = text.split("\n", 1)[0].lstrip("# ")
                 body.append(f"<details><summary>{_e(title)}</summary><pre>{_e(text)}</pre></details>")
+    # (refused fusions name their kernels, not their graph: one list for the whole report)
+    body.append(_items("refused fusions", report.refused_fusions))
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>torchfuse report</title>"
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+
+
+def _items(title: str, items: list[str]) -> str:
+    if not items:
+        return ""
+    return f"<h3>{_e(title)}</h3><ul>" + "".join(f"<li><code>{_e(i)}</code></li>" for i in items) + "</ul>"
