@@ -175,10 +175,12 @@ def test_fifty_steps_with_changing_batch_sizes_compile_a_bounded_number_of_graph
 
 def test_flush_log_prints_as_a_table():
     model = mlp()
+    x, y = torch.randn(3, 12), torch.randn(3, 4)
     with torchfuse.lazy() as ctx:
-        loss = F.mse_loss(model(torch.randn(3, 12)), torch.randn(3, 4))
-        loss.item()
+        loss = F.mse_loss(model(x), y)
+        value = loss.item()
         loss.backward()
+    assert value == pytest.approx(F.mse_loss(mlp()(x), y).item(), rel=1e-6)
     text = str(ctx.flushes)
     lines = text.splitlines()
     assert lines[0].split() == ["#", "reason", "ops", "outputs", "kernels", "graph", "ms"]

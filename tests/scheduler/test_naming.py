@@ -33,7 +33,10 @@ def test_names_are_unique_and_the_same_on_every_compile():
         b = (x * 3).sum(1)
         return a.sin(), b.cos(), (x - 1).relu()
     x = torch.randn(33, 17).t()
-    names = [[k.name for k in torchfuse.explain(fn, x).kernels] for _ in range(2)]
+    reports = [torchfuse.explain(fn, x) for _ in range(2)]
+    for got, want in zip(reports[0].output, fn(x)):
+        torch.testing.assert_close(got, want)
+    names = [[k.name for k in e.kernels] for e in reports]
     assert names[0] == names[1]
     assert len(set(names[0])) == len(names[0]) >= 2
     assert all(re.fullmatch(r"(poi|red)_fused_[a-z0-9_]+_\d+", n) for n in names[0]), names
@@ -47,8 +50,11 @@ def test_op_names_from_node_names():
 def test_refused_fusions_name_the_renamed_kernels():
     def fn(x):
         return (x * 2).sum(-1, keepdim=True) + x.t().sum(-1)
-    e = torchfuse.explain(fn, torch.randn(16, 16))
+    x = torch.randn(16, 16)
+    e = torchfuse.explain(fn, x)
+    torch.testing.assert_close(e.output, fn(x))
     names = {k.name for k in e.kernels}
+    assert e.refused_fusions, str(e)
     for reason in e.refused_fusions:
         assert not re.search(r"\bkernel\d+", reason), reason
         assert any(n in reason for n in names), reason
@@ -91,7 +97,10 @@ def test_explain_says_what_each_kernel_writes():
     def fn(x):
         h = torch.relu(x * 2 + 1)          # read again by the second kernel: stored
         return h.sum(-1), h * 3
-    e = torchfuse.explain(fn, torch.randn(6, 5))
+    x = torch.randn(6, 5)
+    e = torchfuse.explain(fn, x)
+    for got, want in zip(e.output, fn(x)):
+        torch.testing.assert_close(got, want)
     writes = {k.name: k.writes for k in e.kernels}
     assert all(writes.values()), writes
     assert all(w.startswith("buf") and w.endswith(")") for ws in writes.values() for w in ws), writes
