@@ -477,7 +477,7 @@ def _embedding(lw, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sp
         [_wrap_index(indices.load(list(idx[:k])), weight.shape[0])] + list(idx[k:])))
 
 
-@register(aten.index.Tensor)
+@register(aten.index.Tensor, aten._unsafe_index.Tensor)
 def _index(lw, x, indices):
     indices = list(indices) + [None] * (x.ndim - len(indices))
     tensor_dims = [d for d, t in enumerate(indices) if t is not None]
