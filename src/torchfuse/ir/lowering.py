@@ -176,6 +176,9 @@ def layout_of(t: torch.Tensor, *, with_offset: bool = False) -> Layout:
     return Layout(shape_of(t), tuple(sym_to_node(s) for s in t.stride()), off)
 
 
+_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+
 # --------------------------------------------------------------------------------------------
 # the driver
 # --------------------------------------------------------------------------------------------
@@ -258,6 +261,10 @@ class GraphLowering:
         """Realize a reduction over `red_ranges` for every point of `out_ranges`."""
         proto = ComputedValue(tuple(out_ranges), dtype, lambda idx: const(0))
         return self.realize(proto, reduction=(op, tuple(red_ranges), body_fn))
+
+    def is_realized(self, value: Any) -> bool:
+        """Whether `value` is (or was already written to) a buffer."""
+        return isinstance(value, StridedValue) or id(value) in self._realized
 
     def as_buffer_ref(self, value: TensorValue) -> BufferRef:
         if isinstance(value, ComputedValue):
@@ -382,6 +389,24 @@ class GraphLowering:
             reason = "forced by options['fallback_ops']"
         self._fallback(node, reason)
 
+    def _realize_channels_last(self, node: fx.Node, args: tuple) -> None:
+        """A value computed only to feed a channels-last convolution is written channels-last.
+
+        Its own node may say NCHW (a channel shuffle's `.contiguous()`, a `view` after a `cat`),
+        but nothing observes its layout except the convolution, which would copy it to
+        channels-last first (cuDNN and oneDNN take both operands in one memory format): the
+        copy Inductor avoids with its flexible layouts."""
+        out = meta_val(node)
+        out = out[0] if isinstance(out, (list, tuple)) else out
+        if not isinstance(out, torch.Tensor) or out.ndim != 4 or out.is_contiguous() \
+                or not out.is_contiguous(memory_format=torch.channels_last):
+            return
+        for a in args:
+            if isinstance(a, ComputedValue) and a.ndim == 4 and id(a) not in self._realized:
+                n, c, h, w = a.shape
+                layout = Layout(a.shape, (h * w * c, const(1), w * c, c))
+                self._realized[id(a)] = (a, self.realize(a, layout=layout))
+
     def _maybe_realize(self, node: fx.Node, result: Any) -> Any:
         if isinstance(result, (list, tuple)):
             return type(result)(self._maybe_realize_one(node, r) for r in result)
@@ -402,6 +427,8 @@ class GraphLowering:
 
     def _fallback(self, node: fx.Node, reason: str) -> None:
         args, kwargs = self._args(node)
+        if node.target in _CONVOLUTIONS:
+            self._realize_channels_last(node, args)
 
         def to_ref(a: Any) -> Any:
             if isinstance(a, TensorValue):
