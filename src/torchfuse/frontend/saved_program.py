@@ -125,31 +125,43 @@ def restore(blob: bytes, config: Config) -> Callable | None:
 
 # --- the program aot_compile saves -----------------------------------------------------------
 
-def _torch_api() -> tuple[type, Callable]:
-    """torch's SerializableCallable base and the function that rebuilds AOTAutograd's runtime
-    wrappers from a bundled entry; a clear error where this torch has neither."""
+def _serializable_callable() -> type:
+    """torch's SerializableCallable, the base aot_compile wants; a clear error where this torch
+    has none."""
     try:
-        try:
-            from torch._dynamo.aot_compile_types import SerializableCallable
-        except ImportError:                       # (before it had a module of its own)
+        from torch._dynamo.aot_compile_types import SerializableCallable
+    except ImportError:
+        try:                                      # (before it had a module of its own)
             from torch._dynamo.aot_compile import SerializableCallable  # type: ignore[no-redef]
+        except ImportError as e:
+            raise RuntimeError(_unsupported(e)) from e
+    return SerializableCallable
+
+
+def _deserialize_bundled_cache_entry() -> Callable:
+    """AOTAutograd's rebuild of its runtime wrappers from a bundled entry (imported only when a
+    program is loaded: the module pulls in much of Inductor, ~0.1 s)."""
+    try:
+        from torch._functorch._aot_autograd.aot_autograd_result import deserialize_bundled_cache_entry
+    except ImportError:
         try:
-            from torch._functorch._aot_autograd.aot_autograd_result import deserialize_bundled_cache_entry
-        except ImportError:
             from torch._functorch._aot_autograd.autograd_cache import (  # type: ignore[no-redef]
                 deserialize_bundled_cache_entry,
             )
-    except ImportError as e:
-        raise RuntimeError(f"torchfuse: saving compiled programs (torch.compile(...).aot_compile and "
-                           f"torch.compiler.load_compiled_function) is not supported on torch {torch.__version__}: "
-                           f"{e}") from e
-    return SerializableCallable, deserialize_bundled_cache_entry
+        except ImportError as e:
+            raise RuntimeError(_unsupported(e)) from e
+    return deserialize_bundled_cache_entry
+
+
+def _unsupported(e: Exception) -> str:
+    return (f"torchfuse: saving compiled programs (torch.compile(...).aot_compile and "
+            f"torch.compiler.load_compiled_function) is not supported on torch {torch.__version__}: {e}")
 
 
 try:
-    _Base: type = _torch_api()[0]
+    _Base: type = _serializable_callable()
 except RuntimeError:
-    _Base = object      # (saved programs then raise from `wrap`, with the reason)
+    _Base = object      # (saving then raises from `check_can_save`, with the reason)
 
 
 class SavedProgram(_Base):  # type: ignore[misc,valid-type]
@@ -173,7 +185,7 @@ class SavedProgram(_Base):  # type: ignore[misc,valid-type]
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SavedProgram":
-        _, deserialize_bundled_cache_entry = _torch_api()
+        deserialize_bundled_cache_entry = _deserialize_bundled_cache_entry()
         from . import graph_cache
         from .dynamo import TorchfuseBackend
         state = pickle.loads(data)
@@ -197,7 +209,8 @@ def in_aot_compile() -> bool:
 def check_can_save(config: Config) -> None:
     """Raise, saying why, where a program compiled with `config` on this torch cannot be saved
     (before compiling: AOTAutograd itself fails obscurely on a result that cannot serialize)."""
-    _torch_api()
+    _serializable_callable()
+    _deserialize_bundled_cache_entry()
     from .graph_cache import usable
     if not usable(config):
         raise RuntimeError("torchfuse: aot_compile saves a program through the graph cache, which is off "
