@@ -14,7 +14,7 @@ from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
-from . import graph_cache
+from . import graph_cache, saved_program
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -63,7 +63,9 @@ class TorchfuseBackend:
         partition = _min_cut_partition if config.partitioner == "min_cut" else default_partition
         def compile_with_aot(use_cache: bool) -> Callable:
             training = cudagraphs.TrainingState()
-            with graph_cache.enabled(config, backend._compile, use_cache) as cached, counters.timed("backend"):
+            # (explain() compiles cache hits again: its report is what the stages did)
+            with graph_cache.enabled(config, backend._compile, use_cache, reuse_code=backend.report is None) as cached, \
+                    counters.timed("backend"):
                 # (AOTAutograd + every compile_graph it calls, or the cache's load)
                 aot = aot_autograd(fw_compiler=backend._compiler("forward", training, cached),
                                    bw_compiler=backend._compiler("backward", training, cached),
@@ -77,6 +79,10 @@ class TorchfuseBackend:
                                    keep_inference_input_mutations=True)
                 return aot(gm, example_inputs), cached
 
+        if saved_program.in_aot_compile():
+            # torch.compile(...).aot_compile: the result must serialize (saved_program.py)
+            saved_program.check_can_save(config)
+            return saved_program.wrap(compile_with_aot(True)[0], config)
         try:
             return compile_with_aot(True)[0]
         except Exception as e:

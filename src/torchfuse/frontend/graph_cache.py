@@ -5,9 +5,10 @@ forward compiler is a `SerializableAOTDispatchCompiler` whose results are `Outpu
 bundled mode stores those results pickled inside the entry, next to everything its runtime
 wrappers need (input mutations, aliasing, the backward).  torchfuse's result, `TorchfuseCode`,
 pickles as the aten graph it was compiled from (torch's GraphPickler, fake tensors included),
-the compile's kind and static inputs: on a hit, `post_compile` runs torchfuse's own stages on
-that graph again (tens of milliseconds; the kernels come from the kernel cache), and Dynamo's
-trace is all that precedes it.
+the compile's kind and static inputs, and the code torchfuse generated for it (C++ kernels and
+wrapper, see saved_program.py): on a hit, `post_compile` links that code again (the kernels come
+from the kernel cache), or, where no usable code was stored, runs torchfuse's own stages on the
+graph again (tens of milliseconds); Dynamo's trace is all that precedes it.
 
 The entry's key hashes the Dynamo graph, its inputs and torch's configs; torchfuse's source and
 `Config` must be in it too, or a stale entry would load.  AOTAutograd hashes the UUID of Inductor's
@@ -88,6 +89,7 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         self._call: Callable | None = call
         self._graph, self._kind, self._static, self._training = graph, kind, set(static), training
         self._key = key
+        self._code: bytes | None = None     # the generated code, stored with the graph (saved_program.py)
 
     def __call__(self, inputs: list) -> Any:
         return self._call(inputs)
@@ -98,11 +100,30 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
                 BypassAOTAutogradCache,
             )
             raise BypassAOTAutogradCache("torchfuse: the graph could not be pickled")
-        self._call = None      # the code stays behind
+        if self._call is not None:
+            from .saved_program import capture
+            self._code = capture(self._call)
+        self._call = None      # (the live callable stays behind; its code, if any, travels)
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         if self._call is not None:
             return
+        compile, config, reuse_code = _compilers.get(self._key, (None, None, False))
+        if compile is None:
+            raise RuntimeError("torchfuse: a cached graph was loaded before any torchfuse backend "
+                               "with its Config ran in this process")
+        counters.bump("graph_cache_hits")
+        code = getattr(self, "_code", None)
+        if code is not None and reuse_code and not config.cudagraphs:
+            # the stored code, linked against the kernel cache: none of torchfuse's stages run
+            from .saved_program import restore
+            try:
+                self._call = restore(code, config)
+            except Exception as e:      # (e.g. the kernels no longer build): compile it again
+                log.warning("torchfuse: stored code did not load (%s: %s); compiling the graph again",
+                            type(e).__name__, e)
+            if self._call is not None:
+                return
         from torch._guards import detect_fake_mode
         from torch.fx._graph_pickler import GraphPickler
         fake_mode = detect_fake_mode(example_inputs)
@@ -110,20 +131,22 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
             from torch._subclasses.fake_tensor import FakeTensorMode
             fake_mode = FakeTensorMode()
         gm = GraphPickler.loads(self._graph, fake_mode)     # (a GraphModule: its code is generated)
-        compile = _compilers.get(self._key)
-        if compile is None:
-            raise RuntimeError("torchfuse: a cached graph was loaded before any torchfuse backend "
-                               "with its Config ran in this process")
-        counters.bump("graph_cache_hits")
         self._call = compile(self._kind, gm, self._static, self._training)
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
 
 
-# config key -> the compile function of the latest backend with that Config: a hit's
-# post_compile (inside AOTAutograd, or later for a backward loaded lazily) compiles with it
-_compilers: dict[str, Compile] = {}
+# config key -> the compile function of the latest backend with that Config, the Config, and
+# whether stored code may stand in for compiling: a hit's post_compile (inside AOTAutograd, or
+# later for a backward loaded lazily) uses them
+_compilers: dict[str, tuple[Compile, Config, bool]] = {}
+
+
+def register(key: str, compile: Compile, config: Config, reuse_code: bool = True) -> None:
+    """Graphs stored under `key` link their stored code (`reuse_code`) or compile with `compile`
+    from now on."""
+    _compilers[key] = (compile, config, reuse_code)
 
 
 def serializable(kind: str, compile: Compile, static: Callable[[], set], training: Any,
@@ -175,16 +198,18 @@ def usable(config: Config) -> bool:
 
 
 @contextlib.contextmanager
-def enabled(config: Config, compile: Compile, wanted: bool = True) -> Iterator[bool]:
+def enabled(config: Config, compile: Compile, wanted: bool = True, reuse_code: bool = True) -> Iterator[bool]:
     """Within the block, AOTAutograd's bundled cache is on and keyed by torchfuse's source and
-    `config` too; yields whether it is (False: not `wanted`, off, or this torch cannot)."""
+    `config` too; yields whether it is (False: not `wanted`, off, or this torch cannot).
+    `reuse_code=False` compiles hits again instead of linking their stored code (`explain`
+    reports what the stages do)."""
     parts = _torch_parts()
     if not (wanted and usable(config)) or parts is None:
         yield False
         return
     _, CustomGraphPass, _, _ = parts
     key = config_key(config)
-    _compilers[key] = compile
+    register(key, compile, config, reuse_code)
 
     class TorchfuseKey(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:    # never run: Inductor does not compile here

@@ -263,6 +263,10 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     call = make_callable(wrapper_src, builder.globals, kernels)
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # keep the library alive as long as the callable
+    if backend == "cpp":
+        # what frontend/saved_program.py stores to rebuild this callable without the stages above
+        call._torchfuse_code = (wrapper_src, builder.globals, sources,
+                                {k: v for k, v in kernel_args.items() if k not in aliases}, aliases)
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
