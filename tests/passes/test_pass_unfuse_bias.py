@@ -20,7 +20,7 @@ def _run(gm, ctx=CPU) -> int:
 
 @pytest.mark.parametrize("case,changed", [
     ("gelu", 1), ("residual_through_view", 1), ("beta_alpha", 1), ("beta_zero_nan_bias", 1),
-    ("output", 0), ("into_mm", 0), ("mixed_uses", 0)])
+    ("gates_through_chunk", 1), ("output", 0), ("into_mm", 0), ("chunk_into_mm", 0), ("mixed_uses", 0)])
 def test_unfuse_addmm(case, changed):
     a, w, b, r = torch.randn(6, 5), torch.randn(7, 5), torch.randn(7), torch.randn(2, 3, 7)
     fns = {
@@ -28,7 +28,10 @@ def test_unfuse_addmm(case, changed):
         "residual_through_view": lambda a, w, b, r: torch.addmm(b, a, w.t()).view(2, 3, 7) + r,
         "beta_alpha": lambda a, w, b, r: torch.addmm(b, a, w.t(), beta=0.5, alpha=-2.0).relu(),
         "beta_zero_nan_bias": lambda a, w, b, r: torch.addmm(b * float("nan"), a, w.t(), beta=0).relu(),
+        "gates_through_chunk": lambda a, w, b, r: (lambda g: g[0].sigmoid() * g[2].tanh() + g[1].t().t())(
+            torch.addmm(b[:6], a, w[:6].t()).chunk(3, 1)),
         "output": lambda a, w, b, r: torch.addmm(b, a, w.t()),
+        "chunk_into_mm": lambda a, w, b, r: torch.addmm(b[:6], a, w[:6].t()).chunk(2, 1)[1] @ w[:3],
         "into_mm": lambda a, w, b, r: torch.addmm(b, a, w.t()) @ w,
         "mixed_uses": lambda a, w, b, r: (lambda y: (y.relu(), y.sum()))(torch.addmm(b, a, w.t())),
     }

@@ -321,7 +321,9 @@ def Node_load_masked(ld: Node, mask: Node) -> Node:
     return type(ld)("load", (ld.args[0], mask), ld.arg, ld.dtype)
 
 
-CAT_MAX_FUSED_PARTS = 16
+# A fused cat tests every part's range and issues every part's (masked) load for each element:
+# about six instructions a part, against the ~100-200 a memory-bound element can hide on a GPU.
+CAT_MAX_FUSED_PARTS = 32
 
 
 @register(aten.cat.default)
@@ -330,11 +332,10 @@ def _cat(lw, tensors, dim=0):
     dim = _norm(dim, len(out_shape))
     parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == const(0) and len(out_shape) != 1)]
     dtype = lw.out_dtype()
-    if len(parts) > CAT_MAX_FUSED_PARTS and all(lw.is_realized(t) for t in parts):
-        # Each element of a fused cat tests every part's range and issues every part's (masked)
-        # load: 64 parts (an RNN's stacked hidden states) ran 100x slower than a copy. When the
-        # parts are in memory anyway, ATen's cat copies them in one pass.
-        raise Unsupported(f"cat of {len(parts)} stored tensors (more than {CAT_MAX_FUSED_PARTS}): "
+    if len(parts) > CAT_MAX_FUSED_PARTS:
+        # 64 parts (an RNN's stacked hidden states) ran 25x slower fused than ATen's cat, which
+        # copies the parts (stored anyway, for the next step's matmul) in one pass
+        raise Unsupported(f"cat of {len(parts)} tensors (more than {CAT_MAX_FUSED_PARTS}): "
                           "ATen's cat copies them in one pass")
 
     def body(idx):

@@ -19,6 +19,8 @@ addmm feeding another matmul, attention, or a graph output keeps its bias epilog
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -26,8 +28,12 @@ from ._meta import create_node, val_of
 from .context import PassContext
 
 aten = torch.ops.aten
+# ops that only select or rearrange elements: a bias add moves through them (a GRU's gates are
+# the chunks of one product: split, then getitem)
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-          aten.squeeze.dim, aten.expand.default}
+          aten.squeeze.dim, aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default,
+          aten.slice.Tensor, aten.select.int, aten.permute.default, aten.transpose.int, aten.t.default,
+          aten.unbind.int, operator.getitem}
 
 
 def _pointwise_uses_only(node: fx.Node) -> bool:
