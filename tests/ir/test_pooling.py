@@ -114,3 +114,18 @@ def test_pools_under_the_triton_backend(tf):
     x = tf.rand((2, 4, 9, 8)).to(memory_format=torch.channels_last)
     tf.check(lambda x: (F.max_pool2d(torch.relu(x), 3, 2, 1), F.avg_pool2d(x, 3, 1, 1, count_include_pad=False)),
              x, options={"cpu_backend": "triton"}, kernels=2)
+
+
+def test_shared_pool_is_computed_once(tf):
+    """A pooled value read by several consumers (a DenseNet transition's output, read by every
+    later cat of its block) is stored once, not recomputed window and all in each consumer."""
+    x = tf.rand((2, 4, 8, 8))
+
+    def fn(x):
+        p = F.avg_pool2d(x, 2)
+        v, _ = F.max_pool2d(x, 2, return_indices=True)
+        return torch.cat([p, x[:, :, ::2, ::2]], 1) * 2, (p + 1).exp(), v * 3, v.sin()
+
+    e = tf.check(fn, x, min_kernels=1)
+    window_loads = [k.source.count("in0[") for k in e.kernels]
+    assert sum(window_loads) <= 5, (window_loads, e)     # one 2x2 window (shared), one strided slice

@@ -79,6 +79,7 @@ class ComputedValue(TensorValue):
         self.shape, self.dtype, self.fn = tuple(shape), dtype, fn
         self.meta: torch.Tensor | None = None    # the fx node's fake tensor, when it stands for one
         self.origins: list[str] = []             # the fx nodes fused into this value
+        self.window = False                      # reads a window of its input per element (pooling)
 
     def load(self, idx: Sequence[Node]) -> Node:
         return self.fn(idx)

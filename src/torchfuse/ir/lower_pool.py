@@ -115,6 +115,7 @@ def _max_pool2d_with_indices(lw: GraphLowering, x, kernel_size, stride=(), paddi
     values = ComputedValue(out_shape, x.dtype, lambda idx: cast(scan(idx)[0], x.dtype))
     indices = ComputedValue(out_shape, torch.int64, lambda idx: cast(scan(idx)[1], torch.int64))
     values.meta, indices.meta = metas[0], metas[1]
+    values.window = indices.window = True
     return values, indices
 
 
@@ -147,4 +148,6 @@ def _avg_pool2d(lw: GraphLowering, x, kernel_size, stride=(), padding=0, ceil_mo
             count = const(float(k[0] * k[1]), acc)
         return cast(op("truediv", total, count, dtype=acc), x.dtype)
 
-    return ComputedValue(out_shape, x.dtype, body)
+    result = ComputedValue(out_shape, x.dtype, body)
+    result.window = True
+    return result

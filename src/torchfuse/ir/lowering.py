@@ -360,6 +360,8 @@ class GraphLowering:
             self.env[node] = base[node.args[1]] if isinstance(base, (list, tuple)) else None
             if self.env[node] is None:
                 raise Unsupported(f"getitem on {type(base)}")
+            # an output of a multi-output lowering (max-pool values): its own users decide
+            self.env[node] = self._maybe_realize_one(node, self.env[node])
             return
         if target in _RUNTIME_CHECKS or (isinstance(val, (bool, torch.SymBool)) and
                                          getattr(target, "__module__", "") == "_operator"):
@@ -420,8 +422,12 @@ class GraphLowering:
             value.meta = meta
         users = len(node.users)
         if users > 1 or not self.config.fuse:
+            # a window (pooling) reads several input elements per output: each consumer that
+            # recomputed it would read the input that many times over
+            if getattr(value, "window", False) or not self.config.fuse:
+                return self.realize(value)
             body = value.load([var(f"i{k}") for k in range(value.ndim)])
-            if cost(body) > self.config.inline_max_cost or not self.config.fuse:
+            if cost(body) > self.config.inline_max_cost:
                 return self.realize(value)
         return value
 
