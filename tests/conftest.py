@@ -195,7 +195,8 @@ class TF:
 
     @classmethod
     def check_grad(cls, fn: Callable, *args: Any, allow_fallbacks: Iterable[str] = (),
-                   atol: float | None = None, rtol: float | None = None) -> torchfuse.Explanation:
+                   atol: float | None = None, rtol: float | None = None,
+                   options: Mapping[str, Any] | None = None) -> torchfuse.Explanation:
         """Forward and backward through torchfuse vs eager: outputs and the grads of every input that
         requires grad (the backward graph must be compiled by torchfuse and generate kernels)."""
         def clone(a: Any) -> Any:
@@ -206,7 +207,7 @@ class TF:
         outs = [o for o in flatten(expected) if isinstance(o, torch.Tensor) and o.requires_grad]
         grads_out = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
         torch.autograd.backward(outs, grads_out)
-        e = cls.explain(fn, *tf_args)
+        e = cls.explain(fn, *tf_args, options=options)
         got = [o for o in flatten(e.output) if isinstance(o, torch.Tensor) and o.requires_grad]
         assert len(got) == len(outs), "outputs that require grad differ from eager"
         torch.autograd.backward(got, grads_out)

@@ -1,4 +1,5 @@
-"""Lowerings of 2-d pooling windows: max pooling (with its indices) and average pooling.
+"""Lowerings of 2-d pooling windows: max pooling (with its indices) and average pooling, for
+the Triton backend (GPU; CPU tensors under `cpu_backend="triton"`).
 
 Each output element loads its window (at most `MAX_WINDOW` elements) as a stencil of the
 input, so a pooling fuses with the pointwise op that feeds it (batch norm + ReLU + max-pool
@@ -40,7 +41,11 @@ def _pair(v: Any, default: Sequence[int] | None = None) -> tuple[int, int]:
     return (int(v[0]), int(v[1]))
 
 
-def _window(x: TensorValue, kernel: Any, stride: Any, padding: Any, dilation: Any) -> tuple:
+def _window(lw: GraphLowering, x: TensorValue, kernel: Any, stride: Any, padding: Any, dilation: Any) -> tuple:
+    if lw.device is not None and lw.device.type == "cpu" and lw.config.cpu_backend == "cpp":
+        # g++ does not vectorize the window's masked loads: 6-40x slower than ATen's oneDNN
+        # pooling on channels-last tensors, and a fused producer is recomputed per window element
+        raise Unsupported("pooling on the C++ backend (ATen's vectorized pooling is faster)")
     if not isinstance(x, TensorValue) or x.ndim not in (3, 4):
         raise Unsupported("pooling of a tensor that is not 3-d or 4-d")
     if not x.dtype.is_floating_point:
@@ -89,7 +94,7 @@ def _needs_mask(x: TensorValue, out_shape: Sequence[Node], k, s, p, d) -> bool:
 
 @register(aten.max_pool2d_with_indices.default)
 def _max_pool2d_with_indices(lw: GraphLowering, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    k, s, p, d = _window(x, kernel_size, stride, padding, dilation)
+    k, s, p, d = _window(lw, x, kernel_size, stride, padding, dilation)
     metas = lw.out_meta()
     out_shape = shape_of(metas[0])
     guard = _needs_mask(x, out_shape, k, s, p, d)
@@ -122,7 +127,7 @@ def _max_pool2d_with_indices(lw: GraphLowering, x, kernel_size, stride=(), paddi
 @register(aten.avg_pool2d.default)
 def _avg_pool2d(lw: GraphLowering, x, kernel_size, stride=(), padding=0, ceil_mode=False,
                 count_include_pad=True, divisor_override=None):
-    k, s, p, d = _window(x, kernel_size, stride, padding, 1)
+    k, s, p, d = _window(lw, x, kernel_size, stride, padding, 1)
     out_shape = lw.out_shape()
     guard = _needs_mask(x, out_shape, k, s, p, d)
     acc = upcast(x.dtype)
