@@ -345,3 +345,21 @@ def test_cat_of_many_parts_runs_through_aten(tf):
     e = tf.check(lambda *xs: torch.stack([x * (k + 1) for k, x in enumerate(xs[:32])], 1), *xs, kernels=1)
     assert not e.fallbacks
     tf.check(lambda *xs: torch.cat(xs[:32], 0).exp(), *xs, kernels=1)
+
+
+def test_cat_stores_an_expensive_part_first(tf):
+    """Each element of a fused cat evaluates every part's expression: past a budget, an
+    expensive part (an RNN's last cell next to the stored states before it) is computed once
+    into a buffer, and the cat kernel only loads it."""
+    xs = [tf.rand((3, 5)) for _ in range(8)]
+
+    def fn(*xs):
+        last = torch.sigmoid(xs[-1]) * torch.tanh(xs[-1] * 2) + torch.sigmoid(xs[-1] + 1) * torch.tanh(xs[-1])
+        return torch.stack([x.exp() for x in xs[:-1]] + [last], 1)
+
+    e = tf.check(fn, *xs, kernels=2)
+    cat_kernel = next(k for k in e.kernels if "cat" in k.nodes or "stack" in " ".join(k.nodes))
+    body = cat_kernel.source.split("{", 1)[1]          # (the kernel's name lists the ops it joins)
+    assert "tanh" not in body, cat_kernel.source
+    cheap = tf.check(lambda a, b: torch.cat([a.sigmoid(), b.tanh()], 0), xs[0], xs[1], kernels=1)
+    assert not cheap.fallbacks

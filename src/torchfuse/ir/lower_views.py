@@ -14,7 +14,7 @@ import torch
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
 from .lower_pointwise import bcast_load, register, upcast
 from .lowering import GraphLowering, layout_of, meta_val, shape_of, sym_to_node
-from .nodes import INDEX, Node, cast, const, floordiv, load, mod, op, where
+from .nodes import INDEX, Node, cast, const, cost, floordiv, load, mod, op, var, where
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -337,6 +337,15 @@ def _cat(lw, tensors, dim=0):
         # copies the parts (stored anyway, for the next step's matmul) in one pass
         raise Unsupported(f"cat of {len(parts)} tensors (more than {CAT_MAX_FUSED_PARTS}): "
                           "ATen's cat copies them in one pass")
+    if len(parts) > 1:
+        # Every element evaluates every part's expression (vector code and tl.where compute both
+        # sides): past a budget, the expensive parts are stored first. An RNN's last cell, fused
+        # into the stack of its hidden states, ran its gates over the whole sequence (20x its cost).
+        limit = lw.config.inline_max_cost
+        costs = [cost(t.load([var(f"i{k}") for k in range(t.ndim)])) if isinstance(t, ComputedValue) else 1
+                 for t in parts]
+        if sum(costs) > 2 * limit:
+            parts = [lw.stored(t) if c > limit else t for t, c in zip(parts, costs)]
 
     def body(idx):
         i = idx[dim]

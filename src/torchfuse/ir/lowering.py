@@ -266,13 +266,18 @@ class GraphLowering:
         """Whether `value` is (or was already written to) a buffer."""
         return isinstance(value, StridedValue) or id(value) in self._realized
 
-    def as_buffer_ref(self, value: TensorValue) -> BufferRef:
+    def stored(self, value: TensorValue) -> StridedValue:
+        """`value` in a buffer: realized once, however many consumers ask."""
         if isinstance(value, ComputedValue):
             done = self._realized.get(id(value))
             if done is None:
                 done = self._realized[id(value)] = (value, self.realize(value))
             value = done[1]
         assert isinstance(value, StridedValue)
+        return value
+
+    def as_buffer_ref(self, value: TensorValue) -> BufferRef:
+        value = self.stored(value)
         base = self.buffer_meta.get(value.buffer)
         if base is not None and tuple(base[0]) == value.layout.sizes and tuple(base[1]) == value.layout.strides \
                 and value.layout.offset == const(0):
