@@ -104,18 +104,14 @@ def restore(blob: bytes, config: Config) -> Callable | None:
         log.info("torchfuse: stored generated code is from another torchfuse or torch; compiling the graph again")
         return None
     from ..passes.hoist_static import HoistedValues
-    from ..runtime.compiled_graph import DebugWriter, _build
+    from ..runtime.compiled_graph import DebugWriter, _build, link
     from ..runtime.static_values import StaticPrologue
-    from ..runtime.wrapper import make_callable
     # the same build and link steps as compile_graph's, minus everything that produced their input
     kernels = _build("cpp", payload["sources"], payload["kernel_args"], config, DebugWriter(config, "loaded"))
     for dup, first in payload["aliases"].items():
         kernels[dup] = kernels[first]
-    call = make_callable(payload["wrapper"], payload["globals"], kernels)
-    call._boxed_call = True  # type: ignore[attr-defined]
-    call._torchfuse_lib = kernels  # type: ignore[attr-defined]
-    call._torchfuse_code = (payload["wrapper"], payload["globals"], payload["sources"],  # type: ignore[attr-defined]
-                            payload["kernel_args"], payload["aliases"])              # (so it can be saved again)
+    code = (payload["wrapper"], payload["globals"], payload["sources"], payload["kernel_args"], payload["aliases"])
+    call = link(payload["wrapper"], payload["globals"], kernels, code)       # (code kept: it can be saved again)
     counters.bump("compiled_graph_loads")
     if payload["static"] is None:
         return call

@@ -262,16 +262,13 @@ class GraphLowering:
         proto = ComputedValue(tuple(out_ranges), dtype, lambda idx: const(0))
         return self.realize(proto, reduction=(op, tuple(red_ranges), body_fn))
 
-    def is_realized(self, value: Any) -> bool:
-        """Whether `value` is (or was already written to) a buffer."""
-        return isinstance(value, StridedValue) or id(value) in self._realized
-
-    def stored(self, value: TensorValue) -> StridedValue:
-        """`value` in a buffer: realized once, however many consumers ask."""
+    def stored(self, value: TensorValue, layout: Layout | None = None) -> StridedValue:
+        """`value` in a buffer (laid out as `layout` if it is the first to ask): realized once,
+        however many consumers ask."""
         if isinstance(value, ComputedValue):
             done = self._realized.get(id(value))
             if done is None:
-                done = self._realized[id(value)] = (value, self.realize(value))
+                done = self._realized[id(value)] = (value, self.realize(value, layout=layout))
             value = done[1]
         assert isinstance(value, StridedValue)
         return value
@@ -409,10 +406,9 @@ class GraphLowering:
                 or not out.is_contiguous(memory_format=torch.channels_last):
             return
         for a in args:
-            if isinstance(a, ComputedValue) and a.ndim == 4 and id(a) not in self._realized:
+            if isinstance(a, ComputedValue) and a.ndim == 4:
                 n, c, h, w = a.shape
-                layout = Layout(a.shape, (h * w * c, const(1), w * c, c))
-                self._realized[id(a)] = (a, self.realize(a, layout=layout))
+                self.stored(a, Layout(a.shape, (h * w * c, const(1), w * c, c)))
 
     def _maybe_realize(self, node: fx.Node, result: Any) -> Any:
         if isinstance(result, (list, tuple)):

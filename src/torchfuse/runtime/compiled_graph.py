@@ -160,7 +160,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     for node, op, reason in fallbacks:
         log.debug("%s: %s runs through ATen: %s", graph_name, op, reason)
 
-    from ..runtime.wrapper import WrapperBuilder, make_callable, py_index
+    from ..runtime.wrapper import WrapperBuilder, py_index
 
     t_codegen = time.perf_counter()
     readers = buffer_readers(sched, program)
@@ -237,10 +237,10 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         report.kernels += infos
         report.fallbacks += [FallbackInfo(n, op, reason, graph_name) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
+    own_args = {k: v for k, v in kernel_args.items() if k not in aliases}
     try:
         with counters.timed("build"):
-            kernels = _build(backend, sources, {k: v for k, v in kernel_args.items() if k not in aliases}, config,
-                             debug)
+            kernels = _build(backend, sources, own_args, config, debug)
         for dup, first in aliases.items():
             for suffix in ("", "_persistent", "_looped", "_tiled"):
                 if first + suffix in kernels:
@@ -260,15 +260,23 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                       f"eagerly (set options={{'strict': True}} to raise instead).\n{e}")
         counters.bump("eager_fallbacks")
         return _eager(gm)
-    call = make_callable(wrapper_src, builder.globals, kernels)
-    call._boxed_call = True  # type: ignore[attr-defined]
-    call._torchfuse_lib = kernels  # keep the library alive as long as the callable
-    if backend == "cpp":
-        # what frontend/saved_program.py stores to rebuild this callable without the stages above
-        call._torchfuse_code = (wrapper_src, builder.globals, sources,
-                                {k: v for k, v in kernel_args.items() if k not in aliases}, aliases)
+    # (C++ graphs keep their code: frontend/saved_program.py stores it to relink without the stages above)
+    code = (wrapper_src, builder.globals, sources, own_args, aliases) if backend == "cpp" else None
+    call = link(wrapper_src, builder.globals, kernels, code)
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
+    return call
+
+
+def link(wrapper_src: str, globals_: dict, kernels: dict, code: tuple | None = None) -> Callable:
+    """The graph's callable: the wrapper bound to its built kernels (kept alive with it) and, for
+    C++ graphs, the generated code it was made from."""
+    from ..runtime.wrapper import make_callable
+    call = make_callable(wrapper_src, globals_, kernels)
+    call._boxed_call = True  # type: ignore[attr-defined]
+    call._torchfuse_lib = kernels  # type: ignore[attr-defined]  (the libraries live as long as the callable)
+    if code is not None:
+        call._torchfuse_code = code  # type: ignore[attr-defined]
     return call
 
 
