@@ -185,3 +185,22 @@ def test_training_backward_drops_saved_activations():
     grads = sum(p.numel() * 4 for p in model.parameters()) / 2 ** 20
     assert _mib(backward, "NUM of them dropped") == inputs > 4 * activation, backward
     assert peak <= inputs + grads + 2 * activation, backward
+
+
+def test_value_feeding_a_channels_last_convolution_is_written_channels_last(tmp_path):
+    """A channel shuffle's `.contiguous()` is NCHW in eager, but only the next (channels-last)
+    convolution reads it: the kernel writes it channels-last, so cuDNN/oneDNN copy nothing."""
+    conv = nn.Conv2d(8, 8, 3, padding=1, groups=8).to(memory_format=torch.channels_last)
+
+    def fn(x):
+        n, c, h, w = x.shape
+        y = torch.relu(x).view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
+        return conv(y)
+
+    x = torch.randn(2, 8, 6, 5).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        e = torchfuse.explain(fn, x, options={"debug": True, "debug_dir": tmp_path})
+        torch.testing.assert_close(e.output, fn(x))
+    src = _wrappers(tmp_path)
+    allocs = re.findall(r"buf\d+ = \w+\(\(2, 8, 6, 5, \), \(([\d, ]+)\), ", src)
+    assert allocs and all(a.replace(" ", "") == "240,1,40,8," for a in allocs), src
