@@ -43,6 +43,7 @@ if device == "cuda":
 t0 = time.perf_counter()
 make = (lambda m: torch.compile(m, backend="eager")) if backend == "dynamo" else (lambda m: compile_with(backend, m))
 if backend == "saved":     # a saved program: the cold process saves it, the warm one loads it
+    torch._dynamo.config.enable_aot_compile = True     # off by default before torch 2.13
     program = os.path.join(os.path.dirname(caches["TORCHFUSE_CACHE_DIR"]), "program.tf")
     def call_model(m, *args):
         return m(*args)

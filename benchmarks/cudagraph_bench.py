@@ -7,8 +7,9 @@ Inference rows: Llama-style (GQA) and GPT-2-style 6-layer decoders, batch 1-4 x 
 bf16 and fp32, the hidden states out.  Training rows: forward, loss, backward and an eager SGD
 step for the same GPT-2-style model and for a ResNet-18 (zoo), each step after
 `torch.compiler.cudagraph_mark_step_begin()`.  Per row: ms per call (back to back, host
-included), ratios, and the peak memory of torchfuse with and without CUDA graphs (first calls
-and captures included).  TF32 off.  The table is printed last.
+included), ratios, and the peak memory above what was allocated before the row: of all four
+over the first calls and captures (allocated bytes), and what the allocator holds at the end
+(reserved bytes: a CUDA graph's pool shows only there).  TF32 off.  The table is printed last.
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ BACKENDS = ("eager", "inductor-ro", "torchfuse-ro", "torchfuse")
 class Row:
     name: str
     ms: dict[str, float] = field(default_factory=dict)
-    peak_mib: dict[str, float] = field(default_factory=dict)
+    peak_mib: dict[str, float] = field(default_factory=dict)      # first calls and captures included
+    steady_mib: dict[str, float] = field(default_factory=dict)    # a few calls after those
+    reserved_mib: dict[str, float] = field(default_factory=dict)  # what the allocator holds at the end (pools)
     error: dict[str, str] = field(default_factory=dict)
 
 
@@ -83,12 +86,20 @@ def run_row(row: Row, make: Callable[[str], Callable]) -> None:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         try:
             step = make(backend)
             row.ms[backend] = timed(step)
             row.peak_mib[backend] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            row.steady_mib[backend] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+            # CUDA graph replays allocate nothing, so the graphs' pool shows in reserved bytes only
+            row.reserved_mib[backend] = (torch.cuda.memory_reserved() - base_reserved) / 2 ** 20
         except Exception as e:   # keep the table going
             row.error[backend] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"  !! {row.name} {backend}: {row.error[backend]}", flush=True)
@@ -137,14 +148,16 @@ def training_row(name: str) -> Row:
 
 def table(rows: list[Row]) -> str:
     lines = ["| row | eager ms | Inductor RO ms | torchfuse RO ms | torchfuse ms | tf RO / ind RO | tf RO / eager "
-             "| peak MiB tf RO / tf |", "|---|---|---|---|---|---|---|---|"]
+             "| first-call peak MiB Ind RO / tf RO / tf | reserved MiB after Ind RO / tf RO / tf |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = [r.ms.get(b) for b in BACKENDS]
         f = lambda v: "—" if v is None else f"{v:.3f}"  # noqa: E731
         speed = f"{ms[1] / ms[2]:.2f}x" if ms[1] and ms[2] else "—"
         vs_eager = f"{ms[0] / ms[2]:.2f}x" if ms[0] and ms[2] else "—"
-        peaks = " / ".join("—" if b not in r.peak_mib else f"{r.peak_mib[b]:.0f}" for b in BACKENDS[2:])
-        lines.append(f"| {r.name} | {' | '.join(f(v) for v in ms)} | {speed} | {vs_eager} | {peaks} |")
+        peaks = " / ".join("—" if b not in r.peak_mib else f"{r.peak_mib[b]:.0f}" for b in BACKENDS[1:])
+        later = " / ".join("—" if b not in r.reserved_mib else f"{r.reserved_mib[b]:.0f}" for b in BACKENDS[1:])
+        lines.append(f"| {r.name} | {' | '.join(f(v) for v in ms)} | {speed} | {vs_eager} | {peaks} | {later} |")
     return "\n".join(lines)
 
 

@@ -6,11 +6,14 @@ Each case runs fresh processes sharing one cache directory; a child compiles a c
 AOTAutograd's cache counters and torchfuse's `graph_cache_hits`."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 CHILD = r'''
 import json, os, sys
@@ -37,7 +40,9 @@ model.eval()
 with torch.no_grad():
     err = max(err, (compiled(x) - eager(x)).abs().max().item())
 print("RESULT", json.dumps({"aot": dict(torch_counters["aot_autograd"]),
-                            "hits": torchfuse.counters["graph_cache_hits"], "err": err}))
+                            "hits": torchfuse.counters["graph_cache_hits"],
+                            "linked": torchfuse.counters["compiled_graph_loads"],
+                            "lowered": torchfuse.counters.seconds.get("lowering", 0.0) > 0, "s": dict(torchfuse.counters.seconds), "err": err}))
 '''
 
 
@@ -65,12 +70,23 @@ def test_restart_loads_graphs_and_changes_miss(tmp_path):
     # AOTAutograd traced nothing: forward, backward and inference graphs came from the cache
     assert warm["aot"].get("autograd_cache_hit") == 2 and not warm["aot"].get("autograd_cache_miss"), warm
     assert warm["hits"] == 3, warm
+    assert warm["linked"] == 3 and not warm["lowered"], warm    # the stored code, none of torchfuse's stages
     other_config = _run(tmp_path, {"inline_max_cost": 11})
     assert other_config["aot"].get("autograd_cache_miss") == 2 and other_config["hits"] == 0, other_config
     other_source = _run(tmp_path, FAKE_TORCHFUSE_SOURCE="0" * 32)
     assert other_source["aot"].get("autograd_cache_miss") == 2 and other_source["hits"] == 0, other_source
     off = _run(tmp_path, {"graph_cache": False})
     assert not off["aot"].get("autograd_cache_hit") and off["hits"] == 0, off
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_restart_links_stored_triton_code(tmp_path):
+    """Triton graphs (here under Triton's interpreter) keep their generated code in the entry too."""
+    options = {"cpu_backend": "triton"}
+    cold = _run(tmp_path, options, TRITON_INTERPRET="1")
+    assert cold["linked"] == 0 and cold["lowered"], cold
+    warm = _run(tmp_path, options, TRITON_INTERPRET="1")
+    assert warm["hits"] == 3 and warm["linked"] == 3 and not warm["lowered"], warm
 
 
 def test_damaged_entries_are_rebuilt(tmp_path):

@@ -13,10 +13,11 @@ the `Config` it was compiled with.  Loading registers that Config's compiler, th
 rebuild its wrappers from the entry, which calls each `TorchfuseCode.post_compile`.
 
 Each `TorchfuseCode` carries its generated code (`capture`): the Python wrapper, its constants,
-the C++ kernel sources and the parameter-only prologue.  `restore` links that again: the kernel
-library comes from the kernel cache (g++ runs only if it was evicted), so torchfuse's passes,
-lowering, scheduling and codegen do not run either.  Anything `restore` cannot use (a damaged
-blob, other torchfuse source, Triton or CUDA-graph graphs, a constant it cannot pickle) falls back
+the kernel sources (C++ or Triton) and the parameter-only prologue.  `restore` links that again:
+the kernels come from the kernel cache (g++ runs only if the library was evicted; Triton's
+binaries come from Triton's own cache), so torchfuse's passes, lowering, scheduling and codegen
+do not run either.  Anything `restore` cannot use (a damaged blob, other torchfuse source,
+CUDA-graph graphs, a constant it cannot pickle) falls back
 to re-running torchfuse's stages on the stored aten graph, as a graph-cache hit always did.
 The graph cache's restarts take the same path.
 """
@@ -37,7 +38,7 @@ from ..counters import counters
 
 log = logging.getLogger("torchfuse")
 
-_FORMAT = 1
+_FORMAT = 2
 
 
 # --- the generated code of one graph ---------------------------------------------------------
@@ -69,18 +70,16 @@ def _op(*path: str) -> Any:
 def capture(call: Callable) -> bytes | None:
     """The generated code behind a compiled graph's callable, as bytes `restore` takes (a
     sha256 of the payload, then the payload); None where there is none to store (an eagerly run
-    graph, Triton kernels, a CUDA graph wrapper) or it does not pickle."""
+    graph, a CUDA graph wrapper) or it does not pickle."""
     from ..runtime.static_values import StaticPrologue
     from .graph_cache import source_hash
     main = call.main if isinstance(call, StaticPrologue) else call
     code = getattr(main, "_torchfuse_code", None)
     if code is None:
         return None
-    wrapper, globals_, sources, kernel_args, aliases = code
     static = (call.const_gm, list(call.positions), call.frozen) if isinstance(call, StaticPrologue) else None
-    payload = {"format": _FORMAT, "torch": torch.__version__, "source": source_hash(), "wrapper": wrapper,
-               "globals": globals_, "sources": sources, "kernel_args": kernel_args, "aliases": aliases,
-               "static": static}
+    payload = {"format": _FORMAT, "torch": torch.__version__, "source": source_hash(),
+               "code": code, "static": static}
     buf = io.BytesIO()
     try:
         _CodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
@@ -104,14 +103,10 @@ def restore(blob: bytes, config: Config) -> Callable | None:
         log.info("torchfuse: stored generated code is from another torchfuse or torch; compiling the graph again")
         return None
     from ..passes.hoist_static import HoistedValues
-    from ..runtime.compiled_graph import DebugWriter, _build, link
+    from ..runtime.compiled_graph import DebugWriter, build_and_link
     from ..runtime.static_values import StaticPrologue
     # the same build and link steps as compile_graph's, minus everything that produced their input
-    kernels = _build("cpp", payload["sources"], payload["kernel_args"], config, DebugWriter(config, "loaded"))
-    for dup, first in payload["aliases"].items():
-        kernels[dup] = kernels[first]
-    code = (payload["wrapper"], payload["globals"], payload["sources"], payload["kernel_args"], payload["aliases"])
-    call = link(payload["wrapper"], payload["globals"], kernels, code)       # (code kept: it can be saved again)
+    call = build_and_link(payload["code"], config, DebugWriter(config, "loaded"))
     counters.bump("compiled_graph_loads")
     if payload["static"] is None:
         return call

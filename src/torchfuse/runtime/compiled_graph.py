@@ -5,9 +5,10 @@ Every stage can be written to the debug folder as text.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import os
 import logging
+import os
 import re
 import time
 import warnings
@@ -237,22 +238,11 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         report.kernels += infos
         report.fallbacks += [FallbackInfo(n, op, reason, graph_name) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
-    own_args = {k: v for k, v in kernel_args.items() if k not in aliases}
+    code = GeneratedCode(backend, wrapper_src, builder.globals, sources,
+                         {k: v for k, v in kernel_args.items() if k not in aliases}, aliases, sites)
     try:
-        with counters.timed("build"):
-            kernels = _build(backend, sources, own_args, config, debug)
-        for dup, first in aliases.items():
-            for suffix in ("", "_persistent", "_looped", "_tiled"):
-                if first + suffix in kernels:
-                    kernels[dup + suffix] = kernels[first + suffix]
-        if sites:
-            from .triton_launch import make_site
-            for name, (helper, variants, n_sizes, n_bufs, n_syms, kw) in sites.items():
-                kernels[f"{name}_site"] = make_site(kernels[helper], [kernels[v] for v in variants], n_sizes, n_bufs,
-                                                    n_syms, **kw)
-        if backend == "triton" and not config.autotune and config.compile_workers != 1:
-            with counters.timed("precompile"):
-                _precompile(kernels, kernel_calls, sched, program, config)
+        call = build_and_link(code, config, debug, lambda kernels: _precompile(kernels, kernel_calls, sched, program,
+                                                                               config))
     except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
         if config.strict:
             raise
@@ -260,23 +250,50 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                       f"eagerly (set options={{'strict': True}} to raise instead).\n{e}")
         counters.bump("eager_fallbacks")
         return _eager(gm)
-    # (C++ graphs keep their code: frontend/saved_program.py stores it to relink without the stages above)
-    code = (wrapper_src, builder.globals, sources, own_args, aliases) if backend == "cpp" else None
-    call = link(wrapper_src, builder.globals, kernels, code)
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
 
 
-def link(wrapper_src: str, globals_: dict, kernels: dict, code: tuple | None = None) -> Callable:
-    """The graph's callable: the wrapper bound to its built kernels (kept alive with it) and, for
-    C++ graphs, the generated code it was made from."""
+@dataclasses.dataclass
+class GeneratedCode:
+    """What code generation made of one graph, all a restart needs to link it again without
+    running any stage (frontend/saved_program.py stores it): the wrapper, its constants, the
+    kernel sources and argument lists, kernels identical to an earlier one, and the Triton
+    kernels' launch sites."""
+    backend: str
+    wrapper: str
+    globals: dict
+    sources: list[str]
+    kernel_args: dict[str, tuple[list[str], list[str]]]
+    aliases: dict[str, str]
+    sites: dict[str, tuple]
+
+
+def build_and_link(code: GeneratedCode, config: Config, debug: "DebugWriter",
+                   precompile: Callable[[dict], None] | None = None) -> Callable:
+    """Build (or load from the kernel cache) the kernels of `code` and bind its wrapper to them;
+    `precompile` compiles Triton kernels ahead of their first launch (a fresh compile knows the
+    launches; a restart leaves that to Triton's own cache)."""
+    with counters.timed("build"):
+        kernels = _build(code.backend, code.sources, code.kernel_args, config, debug)
+    for dup, first in code.aliases.items():
+        for suffix in ("", "_persistent", "_looped", "_tiled"):
+            if first + suffix in kernels:
+                kernels[dup + suffix] = kernels[first + suffix]
+    if code.sites:
+        from .triton_launch import make_site
+        for name, (helper, variants, n_sizes, n_bufs, n_syms, kw) in code.sites.items():
+            kernels[f"{name}_site"] = make_site(kernels[helper], [kernels[v] for v in variants], n_sizes, n_bufs,
+                                                n_syms, **kw)
+    if precompile is not None and code.backend == "triton" and not config.autotune and config.compile_workers != 1:
+        with counters.timed("precompile"):
+            precompile(kernels)
     from ..runtime.wrapper import make_callable
-    call = make_callable(wrapper_src, globals_, kernels)
+    call = make_callable(code.wrapper, code.globals, kernels)
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # type: ignore[attr-defined]  (the libraries live as long as the callable)
-    if code is not None:
-        call._torchfuse_code = code  # type: ignore[attr-defined]
+    call._torchfuse_code = code  # type: ignore[attr-defined]
     return call
 
 
