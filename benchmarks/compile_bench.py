@@ -9,8 +9,10 @@ function, so imports and CUDA start-up are not counted.  torchfuse's own stages 
 `torchfuse.counters.seconds` ("backend" is AOTAutograd plus every torchfuse stage, or the graph
 cache's load; the rest of a first call is Dynamo's trace and the first run).  The "dynamo"
 backend is Dynamo's trace alone (backend="eager"): no warm start with Dynamo in the path can be
-faster.  The "saved" backend is torchfuse through `aot_compile`: the first process saves the
-program, the second loads it (no Dynamo trace) and makes its first call.  The table is printed last.
+faster.  The "saved" ("inductor-saved") backend is torchfuse (Inductor) through `aot_compile`:
+the first process saves the program, the second loads it (no Dynamo trace) and makes its first
+call; the program keeps only guards that survive a restart (torch.compiler's
+`keep_portable_guards_unsafe`: HuggingFace models carry identity guards that cannot be saved).  The table is printed last.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from zoo import TrainStep, compile_with
 from zoo_models import BY_NAME
 os.environ.update(caches)     # (importing zoo points the caches at fresh folders, for its cold timings)
 name, backend, device, dtype, train = {name!r}, {backend!r}, {device!r}, {dtype!r}, {train!r}
-tiny = compile_with({{"dynamo": "inductor", "saved": "torchfuse"}}.get(backend, backend), torch.nn.Linear(4, 4).to(device))
+tiny = compile_with({{"dynamo": "inductor", "saved": "torchfuse", "inductor-saved": "inductor"}}.get(backend, backend), torch.nn.Linear(4, 4).to(device))
 tiny(torch.randn(2, 4, device=device)).sum().backward()
 torch._dynamo.reset()
 torchfuse.counters.seconds.clear()
@@ -42,9 +44,14 @@ if device == "cuda":
     torch.cuda.synchronize()
 t0 = time.perf_counter()
 make = (lambda m: torch.compile(m, backend="eager")) if backend == "dynamo" else (lambda m: compile_with(backend, m))
-if backend == "saved":     # a saved program: the cold process saves it, the warm one loads it
+if backend in ("saved", "inductor-saved"):     # a saved program: the cold process saves it, the warm one loads it
     torch._dynamo.config.enable_aot_compile = True     # off by default before torch 2.13
     program = os.path.join(os.path.dirname(caches["TORCHFUSE_CACHE_DIR"]), "program.tf")
+    # a program saves only guards that survive a restart: tensor metadata and global state (the
+    # saved program must be called with a model of the same structure)
+    portable = getattr(torch.compiler, "keep_portable_guards_unsafe", None) or (lambda guards: [
+        g.guard_type in ("GLOBAL_STATE", "SHAPE_ENV") or (g.guard_type == "TENSOR_MATCH" and not g.is_global)
+        for g in guards])
     def call_model(m, *args):
         return m(*args)
     def make(m):
@@ -52,7 +59,8 @@ if backend == "saved":     # a saved program: the cold process saves it, the war
             with open(program, "rb") as f:
                 loaded = torch.compiler.load_compiled_function(f)
         else:
-            loaded = torch.compile(call_model, fullgraph=True, backend="torchfuse").aot_compile(((m, *inputs), {{}}))
+            loaded = torch.compile(call_model, fullgraph=True, backend={{"saved": "torchfuse", "inductor-saved": "inductor"}}[backend],
+                                   options={{"guard_filter_fn": portable}}).aot_compile(((m, *inputs), {{}}))
             loaded.save_compiled_function(program)
         return lambda *args: loaded(m, *args)
 if train:
@@ -64,7 +72,8 @@ else:
 if device == "cuda":
     torch.cuda.synchronize()
 print("RESULT", json.dumps({{"first_call_s": time.perf_counter() - t0,
-                            "stages": dict(torchfuse.counters.seconds)}}))
+                            "stages": dict(torchfuse.counters.seconds),
+                            "graphs_linked": torchfuse.counters["compiled_graph_loads"]}}))
 '''
 
 
@@ -83,9 +92,10 @@ def run_child(name: str, backend: str, args: argparse.Namespace, caches: str) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="gpt2,resnet50", help="comma-separated zoo model names")
-    ap.add_argument("--backends", default="dynamo,torchfuse,saved,inductor",
-                    help="dynamo: Dynamo's trace alone (backend='eager'), the floor of any warm start; saved: "
-                         "torchfuse through aot_compile, saved by the cold process and loaded by the warm one")
+    ap.add_argument("--backends", default="dynamo,torchfuse,saved,inductor,inductor-saved",
+                    help="dynamo: Dynamo's trace alone (backend='eager'), the floor of any warm start; saved "
+                         "(inductor-saved): torchfuse (Inductor) through aot_compile, saved by the cold process and "
+                         "loaded by the warm one")
     ap.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--train", action="store_true", help="a training step instead of inference")
@@ -106,14 +116,16 @@ def main() -> None:
     mode = "train" if args.train else "infer"
     lines = [f"\n{args.device} {args.dtype} {mode}: first-call seconds (cold / warm), torchfuse stages of the warm start",
              "| model | Dynamo alone warm | Inductor cold | Inductor warm | torchfuse cold | torchfuse warm | tf/ind cold "
-             "| tf/ind warm | tf saved: load + first call | tf warm stages |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| tf/ind warm | saved, load + first call: Inductor / tf | tf saved / Ind warm | tf warm stages |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, by in results.items():
         get = lambda b, k: by.get(b, {}).get(k, {}).get("first_call_s")  # noqa: E731
         ic, iw, tc, tw = get("inductor", "cold"), get("inductor", "warm"), get("torchfuse", "cold"), get("torchfuse", "warm")
         f = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
         r = lambda a, b: "—" if a is None or not b else f"{a / b:.2f}x"  # noqa: E731
         stages = by.get("torchfuse", {}).get("warm", {}).get("stages", {})
-        lines.append(f"| {name} | {f(get('dynamo', 'warm'))} | {f(ic)} | {f(iw)} | {f(tc)} | {f(tw)} | {r(tc, ic)} | {r(tw, iw)} | {f(get('saved', 'warm'))} | "
+        lines.append(f"| {name} | {f(get('dynamo', 'warm'))} | {f(ic)} | {f(iw)} | {f(tc)} | {f(tw)} | {r(tc, ic)} | {r(tw, iw)} | "
+                     f"{f(get('inductor-saved', 'warm'))} / {f(get('saved', 'warm'))} | {r(get('saved', 'warm'), iw)} | "
                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])) + " |")
     print("\n".join(lines))
 

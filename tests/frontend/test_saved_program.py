@@ -161,3 +161,30 @@ def test_saving_without_the_graph_cache_says_why():
             compiled.aot_compile(((torch.randn(4, 4),), {}))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "meta"])
+def test_wrapper_allocators_pickle_as_the_call_that_made_them(device):
+    """A wrapper's allocator constants (closures on CUDA and the default device) are stored by how
+    they were made, so a stored wrapper links again instead of compiling its graph again."""
+    import io
+    import pickle
+
+    from torchfuse.frontend.saved_program import _CodePickler
+    from torchfuse.runtime import wrapper
+    dev = None if device is None else torch.device(device)
+    calls = []
+    real = wrapper._allocator.__wrapped__
+    alloc = real(dev)
+    buf = io.BytesIO()
+    _CodePickler(buf).dump(alloc)
+    wrapper._allocator.cache_clear()
+    try:
+        loaded = pickle.loads(buf.getvalue())
+        calls.append(wrapper._allocator.cache_info().misses)
+    finally:
+        wrapper._allocator.cache_clear()
+    out = loaded((2, 3), (1, 2), torch.float16)
+    assert out.shape == (2, 3) and out.stride() == (1, 2) and out.dtype == torch.float16
+    assert out.device == (dev or torch.empty(0).device)
+    assert calls == [1 if alloc is not getattr(torch._C._dynamo.guards, "_empty_strided_cpu", None) else 0]

@@ -57,6 +57,9 @@ class _CodePickler(pickle.Pickler):
             return _op, (ns, name)
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj.namespace, obj._schema.name.split("::")[1], obj._overloadname)
+        reduce = getattr(obj, "_tf_reduce", None)       # a closure that says how to make it again
+        if reduce is not None and callable(obj):
+            return reduce
         return NotImplemented
 
 
@@ -84,7 +87,8 @@ def capture(call: Callable) -> bytes | None:
     try:
         _CodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
     except Exception as e:     # a constant pickle cannot carry: loading re-runs the stages instead
-        log.debug("torchfuse: generated code not stored (%s: %s)", type(e).__name__, e)
+        log.info("torchfuse: generated code not stored, a restart compiles this graph again (%s: %s)",
+                 type(e).__name__, e)
         return None
     data = buf.getvalue()
     return hashlib.sha256(data).digest() + data

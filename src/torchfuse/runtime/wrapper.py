@@ -533,8 +533,16 @@ if _reinterpret_tensor is not None:
 
 
 @functools.lru_cache(maxsize=None)
-def _allocator(device: torch.device) -> Callable[..., torch.Tensor]:
-    """`alloc(size, stride, dtype)` for `device` (None: the default device, as torch.empty_strided)."""
+def _allocator(device: torch.device | None) -> Callable[..., torch.Tensor]:
+    """`alloc(size, stride, dtype)` for `device` (None: the default device, as torch.empty_strided).
+    The closures carry `_tf_reduce`, how a saved wrapper's constants pickle them: as this call."""
+    alloc = _make_allocator(device)
+    if not hasattr(alloc, "__self__"):          # (a torch builtin pickles by name)
+        alloc._tf_reduce = (_allocator, (device,))  # type: ignore[attr-defined]
+    return alloc
+
+
+def _make_allocator(device: torch.device | None) -> Callable[..., torch.Tensor]:
     if device is None:
         return lambda size, stride, dtype: torch.empty_strided(size, stride, dtype=dtype)
     device = torch.device(device)
