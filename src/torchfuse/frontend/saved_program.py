@@ -85,7 +85,11 @@ def capture(call: Callable) -> bytes | None:
                "code": code, "static": static}
     buf = io.BytesIO()
     try:
-        _CodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+        # AOTAutograd stores entries under its fake mode; a real constant (a CUDA tensor) must be
+        # copied out for pickling as the real tensor it is
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            _CodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
     except Exception as e:     # a constant pickle cannot carry: loading re-runs the stages instead
         log.info("torchfuse: generated code not stored, a restart compiles this graph again (%s: %s)",
                  type(e).__name__, e)
