@@ -86,7 +86,8 @@ class TorchfuseBackend:
         try:
             return compile_with_aot(True)[0]
         except Exception as e:
-            if not graph_cache.usable(config):
+            # Dynamo's restart signals (a float input to be specialized, ...) are not failures
+            if not graph_cache.usable(config) or isinstance(e, torch._dynamo.exc.RestartAnalysis):
                 raise
             # The graph cache leans on AOTAutograd internals that differ between torch
             # versions: if the compile fails with it, compile without it (an error of the

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
+import linecache
+import logging
 import os
 import tempfile
 from collections import OrderedDict
@@ -23,6 +24,8 @@ from torch import dtype as _dtype
 
 from ..config import Config
 from ..counters import counters
+
+log = logging.getLogger("torchfuse")
 
 # Rows up to this many elements are reduced by the persistent kernel (whole row in registers).
 PERSISTENT_LIMIT = 32768
@@ -59,37 +62,75 @@ def load_module(source: str, config: Config) -> ModuleType:
         # the same source compiled again under other options: its launches follow the newest
         _autotune_modules[module.__name__] = module._tf_autotune = config.autotune
         return module
+    from .cache_dir import _private_folder, cache_folder
     try:
-        from .cache_dir import cache_folder
         folder = cache_folder(config, "triton")
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
-        folder = Path(tempfile.mkdtemp(prefix="torchfuse-triton-"))
+        folder = _private_folder() / "triton"
+        folder.mkdir(exist_ok=True)
     if config.autotune and _tuned_path is None:
         _tuned_path = folder / "autotune.json"
-        try:
-            _tuned.update({k: tuple(v) for k, v in json.loads(_tuned_path.read_text()).items()})
-        except (OSError, ValueError):
-            pass
+        _tuned.update(_read_tuned(_tuned_path))
     path = folder / f"tf_{key}.py"
-    if not path.exists() or path.read_text() != source:
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".py.tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(source)
-        os.replace(tmp, path)           # atomic: a concurrent reader never sees half a file
-        counters.bump("kernel_builds")
-    else:
+    try:
+        stored = path.read_text() == source    # a truncated or altered file is written again
+    except (OSError, ValueError):              # (missing, unreadable, not text)
+        stored = False
+    if stored:
         counters.bump("cache_hits_disk")
-    spec = importlib.util.spec_from_file_location(f"torchfuse_triton_{key}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)     # type: ignore[union-attr]
+    else:
+        try:
+            _write_atomic(path, source)
+        except OSError as e:        # read-only, full disk, quota: this process writes privately
+            log.warning("torchfuse: cannot write the Triton module to %s (%s); using a private folder",
+                        folder, e)
+            path = _private_folder() / "triton" / path.name
+            path.parent.mkdir(exist_ok=True)
+            _write_atomic(path, source)
+        counters.bump("kernel_builds")
+    # Run the source we generated, never what the file holds now, and no bytecode cache (a torn
+    # or stale __pycache__ entry would load): Triton reads a kernel's source through linecache,
+    # which is pinned to the same text (an entry without mtime is never re-read from disk).
+    module = ModuleType(f"torchfuse_triton_{key}")
+    module.__file__ = str(path)
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+    exec(compile(source, str(path), "exec"), module.__dict__)
     module._tf_autotune = config.autotune
     _modules[key] = module
     _autotune_modules[module.__name__] = config.autotune
     while len(_modules) > max(1, config.memory_cache_size):
         _, old = _modules.popitem(last=False)
         _autotune_modules.pop(old.__name__, None)
+        linecache.cache.pop(old.__file__, None)
     return module
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` by renaming a finished temporary file over it: a concurrent reader
+    (or a process killed mid-write) never leaves a half file under `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".py.tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _read_tuned(path: Path) -> dict[str, tuple[int, ...]]:
+    """The stored autotuning winners; a damaged file or entry is ignored (tuned again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: tuple(v) for k, v in data.items()
+            if isinstance(v, list) and v and all(isinstance(i, int) and not isinstance(i, bool) and 0 < i <= 4096
+                                                 for i in v)}
 
 
 def _next_pow2(n: int) -> int:
@@ -98,7 +139,7 @@ def _next_pow2(n: int) -> int:
 
 def _autotune(kernel: Any, key: str, candidates: list[tuple[int, ...]], launch) -> tuple[int, ...]:
     """Time each candidate (block sizes..., warps) once per key; remember the fastest."""
-    if key in _tuned:
+    if key in _tuned and len(_tuned[key]) == len(candidates[0]):
         return _tuned[key]
     from triton.testing import do_bench
     best, best_ms = candidates[0], float("inf")
