@@ -6,8 +6,9 @@ memory and its cache stay bounded?
 Programs come from the fuzzer's generator (`torchfuse.tools.fuzz.programs`: pointwise chains,
 reductions, views and broadcasts over random shapes and dtypes), each compiled afresh and
 compared with eager.  Every `--every` seconds a line: elapsed minutes, programs checked, programs
-per second over the interval, mismatches, the process's resident memory, and the cache folder's
-size.  The cache folder is a new one (removed at the end) unless `--cache-dir` names one.  The
+per second over the interval, mismatches, the process's resident memory and how much of it torch's
+cache-artifact recorder holds (every AOTAutograd cache entry, kept for
+`torch.compiler.save_cache_artifacts()`), and the cache folder's size.  The cache folder is a new one (removed at the end) unless `--cache-dir` names one.  The
 table is printed last.
 """
 from __future__ import annotations
@@ -34,6 +35,18 @@ def folder_mib(path: str) -> float:
             except OSError:
                 pass
     return total / 2 ** 20
+
+
+def torch_artifacts_mib() -> float:
+    """What torch's cache-artifact recorder holds: every AOTAutograd cache entry written in this
+    process is kept in memory for `torch.compiler.save_cache_artifacts()` (Inductor's entries
+    too), a part of the process's growth that is torch's and not torchfuse's."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+        seen = CacheArtifactManager._seen_artifacts
+    except (ImportError, AttributeError):
+        return float("nan")
+    return sum(len(getattr(a, "content", b"")) for a in seen if isinstance(getattr(a, "content", None), bytes)) / 2 ** 20
 
 
 def main() -> None:
@@ -71,16 +84,18 @@ def main() -> None:
             since += 1
             now = time.perf_counter()
             if now - last >= args.every:
-                rows.append(((now - start) / 60, checked, since / (now - last), mismatches, rss_mib(), folder_mib(cache)))
-                print("%.1f min: %d programs, %.1f/s, %d mismatches, RSS %.0f MiB, cache %.1f MiB" % rows[-1],
-                      flush=True)
+                rows.append(((now - start) / 60, checked, since / (now - last), mismatches, rss_mib(),
+                             torch_artifacts_mib(), folder_mib(cache)))
+                print("%.1f min: %d programs, %.1f/s, %d mismatches, RSS %.0f MiB (torch's artifact recorder "
+                      "%.1f MiB), cache %.1f MiB" % rows[-1], flush=True)
                 last, since = now, 0
     finally:
         if own:
             shutil.rmtree(cache, ignore_errors=True)
-    print("\n| minutes | programs | programs/s | mismatches | RSS MiB | cache MiB |\n|---|---|---|---|---|---|")
+    print("\n| minutes | programs | programs/s | mismatches | RSS MiB | of it torch's artifact recorder MiB "
+          "| cache MiB |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print("| %.1f | %d | %.1f | %d | %.0f | %.1f |" % r)
+        print("| %.1f | %d | %.1f | %d | %.0f | %.1f | %.1f |" % r)
 
 
 if __name__ == "__main__":
