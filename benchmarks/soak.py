@@ -79,7 +79,8 @@ def main() -> None:
                 check_program(prog, options)
             except AssertionError as e:
                 mismatches += 1
-                print(f"  mismatch ({prog.digest()}): {str(e).splitlines()[0][:200]}", flush=True)
+                print(f"  mismatch ({prog.digest()}): {str(e).splitlines()[0][:200]}\n"
+                      f"  inputs {prog.inputs!r}, options {prog.options!r}\n{prog.source()}", flush=True)
             except NotTorchfuse as e:     # torch's own compile stack fails on it too (aot_eager)
                 torch_failures += 1
                 print(f"  not torchfuse's ({prog.digest()}): {str(e).splitlines()[0][:200]}", flush=True)

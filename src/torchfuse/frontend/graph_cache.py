@@ -22,6 +22,7 @@ cache off with a debug log line: compiles then behave as without it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import hashlib
@@ -184,6 +185,38 @@ def _pickle_options() -> dict:
 _off_reason: str | None = None
 
 
+_patches: dict[str, tuple] = {}
+
+
+def _config_patches(key: str, CustomGraphPass: type) -> tuple:
+    """torch's config patches that put AOTAutograd's bundled cache on, keyed by torchfuse's `key`,
+    made once per key: each `config.patch()` of torch 2.12+ makes a ContextVar that is never
+    freed (a few hundred bytes per compile in a long-running process).  Those patches nest, so
+    one object serves every compile; an older torch's patch may not, and is made anew each time."""
+    if key in _patches:
+        return _patches[key]
+
+    class TorchfuseKey(CustomGraphPass):  # type: ignore[misc,valid-type]
+        def __call__(self, graph: fx.Graph) -> None:    # never run: Inductor does not compile here
+            pass
+
+        def uuid(self) -> str:
+            return f"torchfuse-{key}"
+
+    functorch = {"enable_autograd_cache": True, "bundled_autograd_cache": True}
+    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        # the entry is written once the backward is compiled: now, while the patches hold,
+        # not at the first backward call
+        functorch["force_non_lazy_backward_lowering"] = True
+    made = (torch._functorch.config.patch(**functorch),
+            torch._inductor.config.patch(post_grad_custom_post_pass=TorchfuseKey()))
+    if all(isinstance(getattr(p, "_prior", None), contextvars.ContextVar) for p in made):
+        while len(_patches) >= 16:          # (bounded: one entry per Config in use)
+            del _patches[next(iter(_patches))]
+        _patches[key] = made
+    return made
+
+
 def turn_off(reason: str) -> None:
     """No graph cache for the rest of this process (a compile failed with it, not without)."""
     global _off_reason
@@ -210,23 +243,10 @@ def enabled(config: Config, compile: Compile, wanted: bool = True, reuse_code: b
     _, CustomGraphPass, _, _ = parts
     key = config_key(config)
     register(key, compile, config, reuse_code)
-
-    class TorchfuseKey(CustomGraphPass):
-        def __call__(self, graph: fx.Graph) -> None:    # never run: Inductor does not compile here
-            pass
-
-        def uuid(self) -> str:
-            return f"torchfuse-{key}"
-
     patches = contextlib.ExitStack()
     try:
-        functorch = {"enable_autograd_cache": True, "bundled_autograd_cache": True}
-        if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
-            # the entry is written once the backward is compiled: now, while the patches hold,
-            # not at the first backward call
-            functorch["force_non_lazy_backward_lowering"] = True
-        patches.enter_context(torch._functorch.config.patch(**functorch))
-        patches.enter_context(torch._inductor.config.patch(post_grad_custom_post_pass=TorchfuseKey()))
+        for patch in _config_patches(key, CustomGraphPass):
+            patches.enter_context(patch)
         # entries go under torchfuse's cache directory, next to its kernels (one place to trust,
         # bound and clear), not Inductor's
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
