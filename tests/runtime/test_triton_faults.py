@@ -1,4 +1,4 @@
-"""Faults in the Triton module cache (src/torchfuse/runtime/triton_launch.py): a truncated or
+"""The Triton module cache (src/torchfuse/runtime/triton_launch.py): its disk bound, and its faults: a truncated or
 altered module file, a killed writer's leftover, a read-only folder, a full disk and a damaged
 autotuning file are detected and worked around; the kernels run the source torchfuse generated,
 never what a file holds, and results equal eager's.
@@ -143,3 +143,20 @@ def test_unusable_folder_falls_back_to_a_private_one(tmp_path: Path) -> None:
     (tmp_path / "triton").write_text("not a folder")
     _run(tmp_path)
     assert (tmp_path / "triton").read_text() == "not a folder"
+
+
+def test_modules_count_towards_the_disk_bound(tmp_path: Path) -> None:
+    """Triton modules are cache entries like libraries and graphs: past `cache_max_bytes` the
+    least recently used go, and a program whose module went still runs (it is written again)."""
+    from torchfuse.runtime import cache_dir
+    funcs = [lambda x, k=k: (x * (k + 2)).sigmoid() + x.cos() * k for k in range(6)]
+    x = torch.randn(5, 9)
+    for fn in funcs:
+        triton_launch._modules.clear()
+        cache_dir._last_measured.clear()           # measure after every write, not every few seconds
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="torchfuse", options={"cpu_backend": "triton", "cache_dir": str(tmp_path),
+                                                              "graph_cache": False, "cache_max_bytes": 6000})(x)
+        torch.testing.assert_close(got, fn(x))
+        assert sum(p.stat().st_size for p in _modules(tmp_path)) <= 6000
+    assert 0 < len(_modules(tmp_path)) < len(funcs)

@@ -77,9 +77,11 @@ def cache_folder(config: Config, name: str) -> Path:
 
 
 # --- a bounded cache on disk -----------------------------------------------------------------
-# Entries: a C++ library (<key>.so with its <key>.json sidecar, under cpp/) or a compiled graph
-# (a folder under graphs/).  Each load of a library refreshes its sidecar's mtime (`touch`), so
-# the oldest mtime is the least recently used (for a graph: the least recently written).  After this process adds an entry, the cache is
+# Entries: a C++ library (<key>.so with its <key>.json sidecar, under cpp/), a Triton module
+# (triton/tf_<key>.py) or a compiled graph (a folder under graphs/).  Each load of a library or
+# module refreshes its mtime (`touch`), so the oldest mtime is the least recently used (for a
+# graph: the least recently written).  A module may go at any time: modules run from the source
+# in memory, and a loader that finds none writes it again.  After this process adds an entry, the cache is
 # measured (at most every few seconds) and, when over `Config.cache_max_bytes`, the least
 # recently used entries go until it is under 80% of it.  A library is removed only under its
 # build lock (held by a process building it) and sidecar first, so a loader sees a whole entry
@@ -105,6 +107,12 @@ def _entries(root: Path) -> list[tuple[float, int, str, Path]]:
         try:
             out.append((meta.stat().st_mtime, meta.stat().st_size + (so.stat().st_size if so.exists() else 0),
                         "cpp", meta))
+        except OSError:
+            continue
+    for module in (root / "triton").glob("tf_*.py"):
+        try:
+            st = module.stat()
+            out.append((st.st_mtime, st.st_size, "triton", module))
         except OSError:
             continue
     graphs = root / "graphs"

@@ -62,7 +62,7 @@ def load_module(source: str, config: Config) -> ModuleType:
         # the same source compiled again under other options: its launches follow the newest
         _autotune_modules[module.__name__] = module._tf_autotune = config.autotune
         return module
-    from .cache_dir import _private_folder, cache_folder
+    from .cache_dir import _private_folder, cache_folder, enforce_limit, touch
     try:
         folder = cache_folder(config, "triton")
         folder.mkdir(parents=True, exist_ok=True)
@@ -79,6 +79,7 @@ def load_module(source: str, config: Config) -> ModuleType:
         stored = False
     if stored:
         counters.bump("cache_hits_disk")
+        touch(path)
     else:
         try:
             _write_atomic(path, source)
@@ -89,6 +90,7 @@ def load_module(source: str, config: Config) -> ModuleType:
             path.parent.mkdir(exist_ok=True)
             _write_atomic(path, source)
         counters.bump("kernel_builds")
+        enforce_limit(config)
     # Run the source we generated, never what the file holds now, and no bytecode cache (a torn
     # or stale __pycache__ entry would load): Triton reads a kernel's source through linecache,
     # which is pinned to the same text (an entry without mtime is never re-read from disk).
