@@ -135,3 +135,31 @@ def test_a_failing_graph_cache_turns_itself_off(monkeypatch, caplog):
             torch.testing.assert_close(torchfuse.compile(fn)(x), fn(x))
     assert graph_cache._off_reason is not None
     assert sum("graph cache is off" in r.message for r in caplog.records) == 1
+
+
+def test_dynamo_restart_signals_leave_the_graph_cache_on(monkeypatch):
+    """A RestartAnalysis raised while compiling (Dynamo's signal to trace again: here the one
+    that specializes a float, seen in the soak) is passed on to Dynamo, not taken for a
+    graph-cache failure that turns the cache off for the process."""
+    import torch
+    restart = getattr(torch._dynamo.exc, "TensorifyScalarRestartAnalysis", None)
+    if restart is None:
+        pytest.skip("this torch has no TensorifyScalarRestartAnalysis")
+
+    from torchfuse.frontend import graph_cache
+    real = graph_cache.enabled
+    raised = []
+
+    def enabled_once_restarting(*args, **kwargs):
+        if not raised:
+            raised.append(1)
+            raise restart("trace again")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(graph_cache, "enabled", enabled_once_restarting)
+    monkeypatch.setattr(graph_cache, "_off_reason", None)
+    torch._dynamo.reset()
+    fn = lambda x: (x * 2).sin() + 1  # noqa: E731
+    x = torch.randn(4, 5)
+    torch.testing.assert_close(torch.compile(fn, backend="torchfuse")(x), fn(x))
+    assert raised and graph_cache._off_reason is None
