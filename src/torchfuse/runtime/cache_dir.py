@@ -10,6 +10,7 @@ torchfuse creates are 0700.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import stat
@@ -45,6 +46,24 @@ def _private_folder() -> Path:
         _private = Path(tempfile.mkdtemp(prefix="torchfuse-private-cache-"))     # 0700
         atexit.register(shutil.rmtree, _private, True)
     return _private
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write a cache entry: readers see the old file or the whole new one, never a prefix (a
+    temporary file renamed over it, removed if the write fails); a new inode also keeps any
+    process that already mmapped an old library safe."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared by a group
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def cache_folder(config: Config, name: str) -> Path:

@@ -30,7 +30,7 @@ import filelock
 
 from ..config import Config
 from ..counters import counters
-from .cache_dir import cache_folder, enforce_limit, touch
+from .cache_dir import atomic_write, cache_folder, enforce_limit, touch
 
 __all__ = ["CompileError", "CompilerNotFound", "load_library", "cache_key", "clear_memory_cache"]
 
@@ -187,31 +187,14 @@ def _try_load(so: Path, meta: Path, quiet: bool) -> ctypes.CDLL | None:
     return lib
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Readers must see the old file or the whole new one, never a prefix; a new inode also
-    # keeps any process that already mmapped the old .so safe.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache may be shared by a group
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _publish(so: Path, meta: Path, data: bytes, key: str, config: Config) -> None:
     # Drop a stale sidecar first so "sidecar present" always implies "the .so it describes".
     with suppress(FileNotFoundError):
         meta.unlink()
-    _atomic_write(so, data)
+    atomic_write(so, data)
     info = {"format": CACHE_FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(data).hexdigest(),
             "size": len(data), "compiler": _compiler_id(config.cxx), "flags": _flags(config)}
-    _atomic_write(meta, json.dumps(info, indent=1).encode())
+    atomic_write(meta, json.dumps(info, indent=1).encode())
 
 
 def _warn_unusable(config: Config, err: BaseException) -> None:
@@ -234,7 +217,7 @@ def _load_private(key: str, data: bytes) -> ctypes.CDLL:
             _private = Path(tempfile.mkdtemp(prefix="torchfuse-cpp-private-"))
             atexit.register(shutil.rmtree, _private, True)
         path = _private / f"{key}.so"
-    _atomic_write(path, data)
+    atomic_write(path, data)
     return _open(path)
 
 

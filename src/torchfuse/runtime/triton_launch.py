@@ -13,7 +13,6 @@ import json
 import linecache
 import logging
 import os
-import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +23,7 @@ from torch import dtype as _dtype
 
 from ..config import Config
 from ..counters import counters
+from .cache_dir import _private_folder, atomic_write, cache_folder, enforce_limit, touch
 
 log = logging.getLogger("torchfuse")
 
@@ -62,7 +62,6 @@ def load_module(source: str, config: Config) -> ModuleType:
         # the same source compiled again under other options: its launches follow the newest
         _autotune_modules[module.__name__] = module._tf_autotune = config.autotune
         return module
-    from .cache_dir import _private_folder, cache_folder, enforce_limit, touch
     try:
         folder = cache_folder(config, "triton")
         folder.mkdir(parents=True, exist_ok=True)
@@ -82,13 +81,13 @@ def load_module(source: str, config: Config) -> ModuleType:
         touch(path)
     else:
         try:
-            _write_atomic(path, source)
+            atomic_write(path, source.encode())
         except OSError as e:        # read-only, full disk, quota: this process writes privately
             log.warning("torchfuse: cannot write the Triton module to %s (%s); using a private folder",
                         folder, e)
             path = _private_folder() / "triton" / path.name
             path.parent.mkdir(exist_ok=True)
-            _write_atomic(path, source)
+            atomic_write(path, source.encode())
         counters.bump("kernel_builds")
         enforce_limit(config)
     # Run the source we generated, never what the file holds now, and no bytecode cache (a torn
@@ -106,20 +105,6 @@ def load_module(source: str, config: Config) -> ModuleType:
         _autotune_modules.pop(old.__name__, None)
         linecache.cache.pop(old.__file__, None)
     return module
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` by renaming a finished temporary file over it: a concurrent reader
-    (or a process killed mid-write) never leaves a half file under `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".py.tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _read_tuned(path: Path) -> dict[str, tuple[int, ...]]:
@@ -157,9 +142,7 @@ def _autotune(kernel: Any, key: str, candidates: list[tuple[int, ...]], launch) 
         del _tuned[next(iter(_tuned))]
     if _tuned_path is not None:
         try:
-            tmp = _tuned_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(_tuned))
-            os.replace(tmp, _tuned_path)
+            atomic_write(_tuned_path, json.dumps(_tuned).encode())
         except OSError:
             pass
     return best
