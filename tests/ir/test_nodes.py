@@ -168,6 +168,20 @@ def test_merge_divmod_inverts_a_split():
     assert_equiv(add(mul(floordiv(i, 4), 3), mod(i, 4)), lambda v: v["i"] // 4 * 3 + v["i"] % 4, {"i": 30})
 
 
+def test_merge_divmod_through_nested_quotients():
+    """A view that unflattens one index into three dims ([392] -> [2, 14, 14], row stride 384)
+    merges back into x*384: the quotient of a quotient is spelled x // 196, not (x // 14) // 14."""
+    x = var("x")
+    e = add(add(mul(mod(floordiv(x, 14), 14), 14 * 384), mul(mod(x, 14), 384)), mul(floordiv(x, 196), 196 * 384))
+    assert e == mul(x, 384)
+    assert_equiv(e, lambda v: v["x"] * 384, {"x": 392})
+    # one coefficient off: left alone, and still the same function
+    e2 = add(add(mul(mod(floordiv(x, 14), 14), 14 * 384), mul(mod(x, 14), 383)), mul(floordiv(x, 196), 196 * 384))
+    assert e2 != mul(x, 384)
+    assert_equiv(e2, lambda v: (v["x"] // 14 % 14) * 14 * 384 + (v["x"] % 14) * 383 + (v["x"] // 196) * 196 * 384,
+                 {"x": 392})
+
+
 def test_loop_split_and_merge_round_trip():
     """Substituting i -> m // 7, j -> m % 7 into the flat index i*7 + j gives back m (dim merging)."""
     m = var("m")

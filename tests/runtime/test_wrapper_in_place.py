@@ -76,6 +76,31 @@ def test_pointwise_output_reuses_a_dying_buffer(tmp_path, backend):
     assert "# in place:" in _wrappers(tmp_path)
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_pointwise_reads_a_reshaped_buffer_in_place(tmp_path, backend):
+    """A ConvNeXt MLP: the [N*H*W, 4C] matmul result is read through a [N, H, W, 4C] view by the
+    bias + GELU kernel, whose index unflattens the row into three dims; once simplified it is
+    the element the kernel writes, so the GELU writes into the matmul's buffer (one fewer
+    4C-wide buffer at the peak: planned peak three [N*H*W, 4C] buffers -> two)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(12, 48), nn.Linear(48, 12)
+
+    def fn(x):
+        y = x.permute(0, 2, 3, 1)
+        return fc2(torch.nn.functional.gelu(fc1(y))).permute(0, 3, 1, 2) + x
+
+    x = torch.randn(2, 12, 5, 7)
+    with torch.no_grad():
+        e = torchfuse.explain(fn, x, options={**BACKENDS[backend], "debug": True, "debug_dir": tmp_path,
+                                              "cublas_devices": ("cpu", "cuda")})
+        torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-5)
+    src = _wrappers(tmp_path)
+    assert src.count("# in place:") == 1, src
+    assert "0 B written in place" not in e.memory[0], e.memory
+
+
 def test_no_reuse_of_a_buffer_with_live_views(tmp_path):
     """h dies at the kernel computing r, but a view of h is returned: h must not be written."""
     w = torch.randn(6, 6)
@@ -204,3 +229,29 @@ def test_value_feeding_a_channels_last_convolution_is_written_channels_last(tmp_
     src = _wrappers(tmp_path)
     allocs = re.findall(r"buf\d+ = \w+\(\(2, 8, 6, 5, \), \(([\d, ]+)\), ", src)
     assert allocs and all(a.replace(" ", "") == "240,1,40,8," for a in allocs), src
+
+
+@pytest.mark.parametrize("row", [40, 33000])
+def test_row_held_in_registers_gets_no_buffer(tmp_path, row):
+    """softmax(s) of a value too costly to recompute in each reader (stored, so it is computed
+    once): s is read by the max, the exponentials and their sum.  A Triton reduction that holds
+    the whole row in registers (rows up to PERSISTENT_LIMIT) never stores it, so the wrapper
+    allocates nothing for it; longer rows are walked in chunks by the looped variant, which
+    reads it back from memory (a real buffer)."""
+    pytest.importorskip("triton")
+
+    def fn(a, b):
+        return torch.softmax(a.sin() * b.cos() + a.exp() * 0.1, -1) * 2
+
+    a, b = torch.randn(3, row), torch.randn(3, row) * 3
+    e = torchfuse.explain(fn, a, b, options={"cpu_backend": "triton", "debug": True, "debug_dir": tmp_path})
+    torch.testing.assert_close(e.output, fn(a, b))
+    src = _wrappers(tmp_path)
+    planned = re.search(r"([0-9.]+ [KM]?i?B) allocated", e.memory[0]).group(1)
+    out_bytes = f"{3 * row * 4 / 1024:.1f} KiB" if row > 256 else f"{3 * row * 4} B"
+    if row <= 32768:
+        assert src.count("# held in registers") == 1, src
+        assert planned == out_bytes, e.memory    # the output alone
+    else:
+        assert "# held in registers" not in src, src
+        assert planned != out_bytes, e.memory

@@ -20,6 +20,7 @@ from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
 from .nodes import INDEX, Node, const, cost, floordiv, mod, op, sym, var
+from .nodes import loads as _loads, walk as _walk
 
 log = logging.getLogger("torchfuse.lowering")
 
@@ -178,6 +179,87 @@ def layout_of(t: torch.Tensor, *, with_offset: bool = False) -> Layout:
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
+# Ops whose result is smaller than what they read: each runs as a kernel of its own loop, apart
+# from the elementwise readers of the same value.
+_REDUCTIONS = frozenset({
+    torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
+    torch.ops.aten.mean.default, torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int,
+    torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.default,
+    torch.ops.aten.min.default, torch.ops.aten.max.dim, torch.ops.aten.min.dim, torch.ops.aten.argmax.default,
+    torch.ops.aten.argmin.default, torch.ops.aten.var.correction, torch.ops.aten.var_mean.correction,
+    torch.ops.aten.std.correction, torch.ops.prims.sum.default, torch.ops.prims.var.default,
+    torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
+# Ops that only re-index their input: their readers read the value.
+_REINDEX = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.default, torch.ops.aten.alias.default,
+    torch.ops.prims.broadcast_in_dim.default})
+
+
+def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> tuple[int, bool]:
+    """(k, late): how many kernels will read this value, at least, and whether one of them runs
+    after an op that is not lowered (a matmul, a convolution) and itself reads the value.
+
+    Reductions of one output size share a loop (a batch norm's two sums); elementwise readers
+    may fuse into one kernel, except those downstream of an ATen call fed by the value (the
+    next residual add of a transformer block, past the block's matmuls): those run later and
+    keep whatever the value reads alive across the call.  Readers more than `horizon` nodes
+    away count as late without looking."""
+    readers: list[fx.Node] = []
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.target in _REINDEX:
+            stack.extend(user.users)
+        else:
+            readers.append(user)
+    reduction_sizes, elementwise = set(), []
+    for user in readers:
+        if user.target in _REDUCTIONS:
+            val = meta_val(user)
+            val = val[0] if isinstance(val, (list, tuple)) else val
+            reduction_sizes.add(str(val.numel()) if isinstance(val, torch.Tensor) else None)   # (SymInts do not hash)
+        else:
+            elementwise.append(user)
+    if not elementwise:
+        return len(reduction_sizes), False
+    start, last = order[node], max(order[u] for u in elementwise)
+    if last - start > horizon:
+        return len(reduction_sizes) + 2, True
+    # forward from the value: which nodes depend on it through an ATen call
+    depends, across = {node}, set()
+    n = node.next
+    while order.get(n, last + 1) <= last:
+        ins = [a for a in n.all_input_nodes if a in depends]
+        if ins:
+            depends.add(n)
+            if any(a in across or (a is not node and a.op == "call_function" and a.target not in LOWERINGS
+                                   and a.target is not operator.getitem) for a in ins):
+                across.add(n)
+        n = n.next
+    late = [u for u in elementwise if u in across]
+    return len(reduction_sizes) + int(len(late) < len(elementwise)) + int(bool(late)), bool(late)
+
+
+def _full_reads(body: Node, shape: Sequence[Node]) -> int:
+    """How many distinct buffers an inlined value reads one element of per element of its own
+    (indices that use every non-trivial loop variable): a broadcast bias or a per-row statistic
+    does not count.  Inlining a value that reads two such buffers into two kernels reads both
+    in each, and keeps both alive until the last one ran, where storing it reads one buffer
+    and frees both early (a residual sum `x + f(x)` read by a LayerNorm's statistics, its
+    normalization and the next residual)."""
+    needed = {f"i{k}" for k, size in enumerate(shape) if not (size.op == "const" and size.arg == 1)}
+    full = set()
+    for ld in _loads(body):
+        if ld.arg not in full and needed <= {x.arg for x in _walk(ld.args[0]) if x.op == "var"}:
+            full.add(ld.arg)
+    return len(full)
+
 
 # --------------------------------------------------------------------------------------------
 # the driver
@@ -198,6 +280,7 @@ class GraphLowering:
         self.current: fx.Node | None = None
         self.output_nodes: set[fx.Node] = set()
         self.device: torch.device | None = None
+        self._order: dict[fx.Node, int] | None = None
         self.forced_fallbacks = set(config.fallback_ops)
         self._reductions: dict[tuple, StridedValue] = {}
         # values that some consumer needed in memory (a fallback's argument, say), by id: later
@@ -410,6 +493,11 @@ class GraphLowering:
                 n, c, h, w = a.shape
                 self.stored(a, Layout(a.shape, (h * w * c, const(1), w * c, c)))
 
+    def _node_order(self) -> dict[fx.Node, int]:
+        if self._order is None:
+            self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return self._order
+
     def _maybe_realize(self, node: fx.Node, result: Any) -> Any:
         if isinstance(result, (list, tuple)):
             return type(result)(self._maybe_realize_one(node, r) for r in result)
@@ -430,6 +518,14 @@ class GraphLowering:
             body = value.load([var(f"i{k}") for k in range(value.ndim)])
             if cost(body) > self.config.inline_max_cost:
                 return self.realize(value)
+            # store it when that reads fewer bytes than recomputing it in every reader (each
+            # reads its m inputs, where storing reads them once, writes it once and reads it
+            # k times), or when readers past an ATen call would keep its inputs alive
+            m = _full_reads(body, value.shape)
+            if m >= 2:
+                k, late = _kernels_reading(node, self._node_order())
+                if late or (k - 1) * (m - 1) > 2:
+                    return self.realize(value)
         return value
 
     def _fallback(self, node: fx.Node, reason: str) -> None:

@@ -417,7 +417,10 @@ def mod(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = No
 
 
 def _merge_divmod(n: Node) -> Node:
-    """Rewrite `k*d*(m // d) + k*(m % d)` into `k*m`: the inverse of splitting one loop in two."""
+    """Rewrite `k*d*(m // d) + k*(m % d)` into `k*m`: the inverse of splitting one loop in two.
+    Repeated, it undoes a view's unflattening of one index into several dims
+    (`((x // 14) % 14)*14*k + (x // 196)*196*k + (x % 14)*k` is `x*k`), which lets a consumer
+    that reads a reshaped buffer see that it reads element for element what it writes."""
     if n.op != "add":
         return n
     terms = dict(_terms(n))       # edited below: a copy of the shared expansion
@@ -434,7 +437,11 @@ def _merge_divmod(n: Node) -> Node:
                 if len(dt) != 1:
                     continue
                 (dkey, dcoef), = dt.items()
-                div_key = tuple(sorted(others + [Node("floordiv", (base, d), None, INDEX)] + list(dkey), key=_order))
+                # the quotient as floordiv() spells it: (m // a) // d is m // (a*d)
+                quotient = floordiv(base, d)
+                if quotient.op != "floordiv":
+                    continue
+                div_key = tuple(sorted(others + [quotient] + list(dkey), key=_order))
                 if terms.get(div_key) == coef * dcoef:
                     del terms[key]
                     del terms[div_key]

@@ -178,6 +178,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     traces = {n.name: n.meta.get("stack_trace") for n in gm.graph.nodes} if report is not None else {}
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
+    register_only: set[str] = set()
     try:
         for plan in plans:
             kernel = plan.kernel
@@ -196,6 +197,9 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                     helper, variants = "_launch_reduction", [f"{kernel.name}_persistent", f"{kernel.name}_looped"]
                     sizes = [xnumel, py_index(_product(plan.inner)), big]
                     kw = {"xfast": True} if tgen.rows_contiguous(plan) else {}
+                    if not kw and _always_persistent(plan):
+                        # values the row's later loops read back stay in registers: no buffer
+                        register_only |= plan.carried
                 # the wrapper calls the kernel's own call site; the helper call (the same launch)
                 # is what the parallel precompile plans from
                 kernel_calls[kernel.name] = (f"{helper}({', '.join(variants + sizes + bufs + syms)}"
@@ -226,7 +230,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         counters.bump("eager_fallbacks")
         return _eager(gm)
     counters.bump("kernels_generated", len(sources))
-    builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls)
+    builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls, register_only)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
     debug.write("memory.txt", builder.memory.describe() + "\n")
@@ -365,6 +369,14 @@ def program_device(program) -> str:
         if meta[3] is not None:
             return torch.device(meta[3]).type
     return "cpu"
+
+
+def _always_persistent(plan: Any) -> bool:
+    """Does the launcher always pick this Triton reduction's persistent variant (the whole row
+    in registers)?  Rows of a known length within the limit, not walked as column tiles."""
+    from .triton_launch import PERSISTENT_LIMIT
+    rnumel = _product(plan.inner)
+    return rnumel.op == "const" and rnumel.arg <= PERSISTENT_LIMIT
 
 
 def _product(sizes):

@@ -31,6 +31,8 @@ class MemoryPlan:
 
     def __init__(self) -> None:
         self.owner: dict[str, int] = {}        # name -> storage id
+        self.first_name: dict[int, str] = {}   # storage id -> the name it was allocated under
+        self.at_peak: list[tuple[str, int]] = []   # (name, bytes) of the storages live at the peak
         self.size: dict[int, int] = {}         # live storage id -> bytes
         self.names: dict[int, int] = {}        # live storage id -> live names
         self.input_ids: set[int] = set()
@@ -49,7 +51,16 @@ class MemoryPlan:
         self.ids += 1
         sid = self.ids
         self.owner[name], self.size[sid], self.names[sid] = sid, n, 1
+        self.first_name[sid] = name
         return sid
+
+    def _note_peak(self) -> None:
+        if self.live > self.peak_bytes:
+            self.peak_bytes = self.live
+            self.at_peak = [(self.first_name[sid], n) for sid, n in self.size.items() if sid not in self.input_ids]
+        total = self.live + self.inputs_live
+        if total > self.peak_with_inputs:
+            self.peak_with_inputs = total
 
     def enter(self, name: str, meta: tuple) -> None:
         """An input, held from the start."""
@@ -58,7 +69,7 @@ class MemoryPlan:
             self.input_ids.add(self._new(name, n))
             self.inputs_live += n
             self.input_bytes += n
-            self.peak_with_inputs = max(self.peak_with_inputs, self.live + self.inputs_live)
+            self._note_peak()
 
     def alloc(self, name: str, meta: tuple) -> None:
         n = self._bytes(meta)
@@ -67,8 +78,7 @@ class MemoryPlan:
         self._new(name, n)
         self.live += n
         self.allocated += n
-        self.peak_bytes = max(self.peak_bytes, self.live)
-        self.peak_with_inputs = max(self.peak_with_inputs, self.live + self.inputs_live)
+        self._note_peak()
 
     def share(self, name: str, existing: str, reused: bool = False) -> None:
         sid = self.owner.get(existing)
@@ -96,7 +106,18 @@ class MemoryPlan:
             return "planned peak: symbolic sizes"
         return (f"planned peak {_human(self.peak_bytes)} held by the wrapper, {_human(self.peak_with_inputs)} with "
                 f"the inputs it holds; {_human(self.allocated)} allocated, {_human(self.saved)} written in place; "
-                f"inputs {_human(self.input_bytes)}, {_human(self.inputs_freed)} of them dropped after their last reader")
+                f"inputs {_human(self.input_bytes)}, {_human(self.inputs_freed)} of them dropped after their last reader"
+                + self._peak_holders())
+
+    def _peak_holders(self, top: int = 4) -> str:
+        """The largest storages live at the peak the wrapper's own buffers reach: where to look
+        when that peak is too high."""
+        largest = sorted(self.at_peak, key=lambda nb: -nb[1])[:top]
+        if not largest:
+            return ""
+        more = len(self.at_peak) - len(largest)
+        return ("; at the peak: " + ", ".join(f"{name} {_human(n)}" for name, n in largest)
+                + (f" and {more} more" if more > 0 else ""))
 
 
 def _human(n: int) -> str:
@@ -108,7 +129,8 @@ def _human(n: int) -> str:
 
 class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
-                 stored: set[str], kernel_calls: dict[str, str] | None = None):
+                 stored: set[str], kernel_calls: dict[str, str] | None = None,
+                 register_only: set[str] | frozenset[str] = frozenset()):
         self.program = program
         self.kernel_args = kernel_args
         self.items = _input_copies_last(items, kernel_args)
@@ -116,6 +138,9 @@ class WrapperBuilder:
         self.reused = 0
         self.kernel_calls = kernel_calls or {}
         self.stored = stored
+        # stored by a kernel's looped variant only; the variant that always runs keeps them in
+        # registers, so they get a one-element placeholder of their dtype instead of memory
+        self.register_only = register_only
         from ..scheduler.split import split_factor
         self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten, "_split_factor": split_factor}
         self.lines: list[str] = []
@@ -203,6 +228,10 @@ class WrapperBuilder:
                 for m in item.members:
                     if m.buffer.name in into_input:
                         L.append(f"    {m.buffer.name} = {into_input[m.buffer.name]}   # the input it updates")
+                    elif m.buffer.name in self.register_only:
+                        _, _, dtype, device = self.program.buffer_meta[m.buffer.name]
+                        L.append(f"    {m.buffer.name} = {self.const(_placeholder)}({self.const(device)}, "
+                                 f"{self.const(dtype)})   # held in registers, never written")
                     elif m.buffer.name in self.stored:
                         if donor is not None and m.buffer.name == donor[0]:
                             L.append(f"    {m.buffer.name} = {donor[1]}   # in place: {donor[1]} dies here")
@@ -530,6 +559,14 @@ def _reinterpret(base: torch.Tensor, size, stride, offset: int) -> torch.Tensor:
 
 if _reinterpret_tensor is not None:
     _reinterpret = _reinterpret_tensor   # noqa: F811  (same signature and meaning)
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor standing for a kernel argument the kernel never touches (a value
+    held in registers): it gives Triton the argument's pointer type, and costs no allocation
+    per call.  Never written, so one per device and dtype serves every graph."""
+    return _allocator(device)((1,), (1,), dtype)
 
 
 @functools.lru_cache(maxsize=None)
