@@ -68,9 +68,13 @@ class Config:
                                "unfuse_conv_bias", "dce")
     """The aten graph passes to run, in order: registered names (torchfuse.passes.REGISTRY,
     torchfuse.register_pass), callables (gm, ctx) -> changes, or torch.fx PassBase objects."""
-    conv_bn_fold_devices: tuple[str, ...] = ("cpu", "cuda")
+    conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
     """Devices on which conv_bn_fold runs (inference graphs).  The folded weights are computed
-    from parameters alone, so they are hoisted out of the per-call path (see `freezing`)."""
+    from parameters alone, so they are hoisted out of the per-call path (see `freezing`) and
+    kept: a second copy of every folded weight.  Not on CUDA by default: there the batch norm's
+    scale and shift fuse into the kernel after the convolution at no measurable cost (zoo CNNs
+    on an H100: 0.985-1.04x the folded speed), and the copy raised peak memory by 8-91 MiB
+    (resnet50: 778 -> 687 MiB, Inductor's figure; benchmarks/probes/option_ab.py)."""
     freezing: bool = False
     """Inference graphs: values computed from parameters and buffers alone (folded conv-bn
     weights, weight casts, position biases) are always computed once and kept; by default they

@@ -255,3 +255,24 @@ def test_row_held_in_registers_gets_no_buffer(tmp_path, row):
     else:
         assert "# held in registers" not in src, src
         assert planned != out_bytes, e.memory
+
+
+@pytest.mark.parametrize("row, dim", [(40, -1), (33000, -1), (300, 0)])
+def test_softmax_probabilities_overwrite_the_scores(tmp_path, row, dim):
+    """A Triton reduction's elementwise output takes the storage of a same-sized input that dies
+    at it (attention probabilities over the scores), in the persistent variant (the row in
+    registers), the looped one (rows longer than PERSISTENT_LIMIT, read again chunk by chunk
+    before each chunk is written) and column tiles (softmax over dim 0)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    w = torch.randn(16, row)
+
+    def fn(x):
+        return torch.softmax(x @ w, dim) * 3
+
+    x = torch.randn(6, 16)
+    e = torchfuse.explain(fn, x, options={"cpu_backend": "triton", "cublas_devices": ("cpu", "cuda"),
+                                          "debug": True, "debug_dir": tmp_path})
+    torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-6)
+    src = _wrappers(tmp_path)
+    assert src.count("# in place:") == 1, src

@@ -130,7 +130,8 @@ def _human(n: int) -> str:
 class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
                  stored: set[str], kernel_calls: dict[str, str] | None = None,
-                 register_only: set[str] | frozenset[str] = frozenset()):
+                 register_only: set[str] | frozenset[str] = frozenset(),
+                 in_place_reductions: set[str] | frozenset[str] = frozenset()):
         self.program = program
         self.kernel_args = kernel_args
         self.items = _input_copies_last(items, kernel_args)
@@ -141,6 +142,9 @@ class WrapperBuilder:
         # stored by a kernel's looped variant only; the variant that always runs keeps them in
         # registers, so they get a one-element placeholder of their dtype instead of memory
         self.register_only = register_only
+        # reduction kernels whose row-wise output may take the storage of a row-wise input
+        # (generated Triton: each row is read whole before any of it is written, see below)
+        self.in_place_reductions = in_place_reductions
         from ..scheduler.split import split_factor
         self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten, "_split_factor": split_factor}
         self.lines: list[str] = []
@@ -371,13 +375,18 @@ class WrapperBuilder:
         only at the element it writes (a pointwise kernel: each element is read before it is
         overwritten, by the same thread).  Saves an allocation and, on CPU, the page faults of
         touching fresh memory; on GPU the allocator's peak."""
-        if kernel.kind != "pointwise":
+        if kernel.kind != "pointwise" and kernel.name not in self.in_place_reductions:
             return None
         # the last stored member: every load of the kernel is emitted before its store
         stored = [m for m in kernel.members if m.buffer.name in self.stored]
         if not stored:
             return None
         target = stored[-1]
+        if kernel.kind != "pointwise" and target.role != "inner":
+            return None
+        # (A reduction's elementwise output, a softmax's probabilities over its scores: a row is
+        # owned by one program, and every store of it depends on the row's reduced values, so
+        # no load of the row's input can come after its store in any loop order.)
         meta = self.program.buffer_meta[target.buffer.name]
         reads: dict[str, set] = {}
         for m in kernel.members:
