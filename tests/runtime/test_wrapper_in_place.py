@@ -258,21 +258,31 @@ def test_row_held_in_registers_gets_no_buffer(tmp_path, row):
 
 
 @pytest.mark.parametrize("row, dim", [(40, -1), (33000, -1), (300, 0)])
-def test_softmax_probabilities_overwrite_the_scores(tmp_path, row, dim):
+@pytest.mark.parametrize("stored_logits", [False, True])
+def test_softmax_probabilities_overwrite_the_scores(tmp_path, row, dim, stored_logits):
     """A Triton reduction's elementwise output takes the storage of a same-sized input that dies
     at it (attention probabilities over the scores), in the persistent variant (the row in
     registers), the looped one (rows longer than PERSISTENT_LIMIT, read again chunk by chunk
-    before each chunk is written) and column tiles (softmax over dim 0)."""
+    before each chunk is written) and column tiles (softmax over dim 0); also when the scores
+    are read only by a member computing the softmax's input (too costly to recompute, so a
+    member of its own: T5's scores + position bias)."""
     pytest.importorskip("triton")
     torch.manual_seed(0)
     w = torch.randn(16, row)
 
     def fn(x):
-        return torch.softmax(x @ w, dim) * 3
+        h = x @ w
+        if stored_logits:
+            h = torch.tanh(h) * torch.sigmoid(h) + h.exp() * 0.01
+        return torch.softmax(h, dim) * 3
 
     x = torch.randn(6, 16)
     e = torchfuse.explain(fn, x, options={"cpu_backend": "triton", "cublas_devices": ("cpu", "cuda"),
                                           "debug": True, "debug_dir": tmp_path})
     torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-6)
     src = _wrappers(tmp_path)
-    assert src.count("# in place:") == 1, src
+    # the matmul's result is the only [6, row] storage: every later [6, row] value reuses it,
+    # but for the stored softmax input of rows too long for registers (the looped variant
+    # reads it back)
+    carried = 1 if stored_logits and row > 32768 else 0
+    assert "# in place:" in src and len(re.findall(rf"= _c\d+\(\(6, {row}, \)", src)) == carried, src

@@ -395,6 +395,17 @@ class WrapperBuilder:
         # the stored value must depend on the donor's element (a load in its own body), so no
         # compiler may move the store ahead of the donor's load (C++ pointers are __restrict__)
         own = {ld.arg for ld in _ir_loads(target.body)}
+        if kernel.kind != "pointwise":
+            # through the kernel's other members: softmax(scores + bias) stores exp(s - max) / sum
+            # of s = scores + bias, a member of its own (kept in registers)
+            members = {m.buffer.name: m for m in kernel.members}
+            frontier = [n for n in own if n in members]
+            while frontier:
+                for ld in _ir_loads(members[frontier.pop()].body):
+                    if ld.arg not in own:
+                        own.add(ld.arg)
+                        if ld.arg in members:
+                            frontier.append(ld.arg)
         for name, indices in reads.items():
             if (name in own and name in reusable and name not in self._shared and last_use.get(name) == pos
                     and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
