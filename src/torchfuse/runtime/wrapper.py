@@ -134,7 +134,8 @@ class WrapperBuilder:
                  in_place_reductions: set[str] | frozenset[str] = frozenset()):
         self.program = program
         self.kernel_args = kernel_args
-        self.items = _input_copies_last(items, kernel_args)
+        from .memory_order import sink_steps
+        self.items = _input_copies_last(sink_steps(items, kernel_args, self._nbytes), kernel_args)
         self.outputs = {o for o in program.outputs if isinstance(o, str)}
         self.reused = 0
         self.kernel_calls = kernel_calls or {}
@@ -150,6 +151,12 @@ class WrapperBuilder:
         self.lines: list[str] = []
         self.memory = MemoryPlan()
         self.labels: dict[int, str] = {}     # line index -> profiler label (kernel calls)
+
+    def _nbytes(self, name: str) -> int | None:
+        meta = self.program.buffer_meta.get(name)
+        if meta is None or not isinstance(meta[2], torch.dtype) or not all(s.op == "const" for s in meta[0]):
+            return None
+        return functools.reduce(operator.mul, (int(s.arg) for s in meta[0]), 1) * meta[2].itemsize
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
