@@ -286,3 +286,25 @@ def test_softmax_probabilities_overwrite_the_scores(tmp_path, row, dim, stored_l
     # reads it back)
     carried = 1 if stored_logits and row > 32768 else 0
     assert "# in place:" in src and len(re.findall(rf"= _c\d+\(\(6, {row}, \)", src)) == carried, src
+
+
+def test_looped_reduction_with_two_row_outputs_takes_one_storage(tmp_path):
+    """Rows longer than the persistent limit, read in chunks by two passes (the sum, then
+    h * 2 + 1 and h / sum): the output computed from the sum takes h's storage, the other gets
+    its own, and both equal eager's."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    w = torch.randn(8, 33000)
+
+    def fn(x):
+        h = x @ w
+        s = h * 2 + 1
+        return s, h / h.sum(1, keepdim=True)
+
+    x = torch.randn(3, 8)
+    e = torchfuse.explain(fn, x, options={"cpu_backend": "triton", "cublas_devices": ("cpu", "cuda"),
+                                          "debug": True, "debug_dir": tmp_path})
+    ref = fn(x)
+    torch.testing.assert_close(e.output[0], ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(e.output[1], ref[1], rtol=1e-4, atol=1e-6)
+    assert _wrappers(tmp_path).count("# in place:") == 1

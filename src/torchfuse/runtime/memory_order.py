@@ -34,6 +34,10 @@ def _pure(item: Any) -> bool:
     if isinstance(item, FallbackCall):
         if item.binds or item.target == "get_attr" or not _returns_fresh(item.target):
             return False
+        # ATen's own ops only: a custom or collective op may be ordered for reasons its schema
+        # does not say (communication overlap, a side channel)
+        if getattr(item.target, "namespace", None) not in ("aten", "prims"):
+            return False
         return torch.Tag.nondeterministic_seeded not in getattr(item.target, "tags", ())
     return False
 

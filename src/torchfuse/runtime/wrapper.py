@@ -413,6 +413,11 @@ class WrapperBuilder:
                         own.add(ld.arg)
                         if ld.arg in members:
                             frontier.append(ld.arg)
+            # only an output computed from the row's reduced values is stored after the last
+            # pass over the row (an elementwise member stored in an earlier pass would overwrite
+            # what a later pass reads again)
+            if not any(members[n].role == "reduce" for n in own if n in members):
+                return None
         for name, indices in reads.items():
             if (name in own and name in reusable and name not in self._shared and last_use.get(name) == pos
                     and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
