@@ -64,7 +64,7 @@ class Config:
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 
     # --- graph passes ------------------------------------------------------------------------
-    passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_mm_sum", "conv_bn_fold", "pad_mm",
+    passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "pad_mm",
                                "unfuse_addmm", "unfuse_conv_bias", "dce")
     """The aten graph passes to run, in order: registered names (torchfuse.passes.REGISTRY,
     torchfuse.register_pass), callables (gm, ctx) -> changes, or torch.fx PassBase objects."""

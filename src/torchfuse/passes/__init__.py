@@ -23,7 +23,7 @@ from .context import PassContext, PassRecord
 from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
 from .cse import cse as _cse
 from .dce import dce as _dce
-from .merge_mm_sum import merge_mm_sum as _merge_mm_sum
+from .merge_step_sums import merge_step_sums as _merge_step_sums
 from .pad_mm import pad_mm as _pad_mm
 from .unfuse_bias import unfuse_addmm as _unfuse_addmm
 from .unfuse_bias import unfuse_conv_bias as _unfuse_conv_bias
@@ -40,14 +40,14 @@ REGISTRY: dict[str, Pass] = {
     "cse": _cse,
     "constant_fold": _constant_fold,
     "simplify": _simplify,
-    "merge_mm_sum": _merge_mm_sum,
+    "merge_step_sums": _merge_step_sums,
     "conv_bn_fold": _conv_bn_fold,
     "pad_mm": _pad_mm,
     "unfuse_addmm": _unfuse_addmm,
     "unfuse_conv_bias": _unfuse_conv_bias,
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_mm_sum", "conv_bn_fold", "pad_mm",
+DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "pad_mm",
                                      "unfuse_addmm", "unfuse_conv_bias", "dce")
 
 
