@@ -117,7 +117,7 @@ def merge_step_sums(gm: fx.GraphModule, ctx: PassContext) -> int:
     graph = gm.graph
     changes = 0
     for root in reversed(list(graph.nodes)):
-        if root.graph is not graph or not _is_plain_add(root):
+        if not _is_plain_add(root):
             continue
         if any(_is_plain_add(u) and len(root.users) == 1 for u in root.users):
             continue                  # not the top of its tree

@@ -179,7 +179,6 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
     register_only: set[str] = set()
-    in_place_reductions: set[str] = set()
     try:
         for plan in plans:
             kernel = plan.kernel
@@ -198,7 +197,6 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                     helper, variants = "_launch_reduction", [f"{kernel.name}_persistent", f"{kernel.name}_looped"]
                     sizes = [xnumel, py_index(_product(plan.inner)), big]
                     kw = {"xfast": True} if tgen.rows_contiguous(plan) else {}
-                    in_place_reductions.add(kernel.name)
                     if not kw and _always_persistent(plan):
                         # values the row's later loops read back stay in registers: no buffer
                         register_only |= plan.carried
@@ -233,7 +231,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         return _eager(gm)
     counters.bump("kernels_generated", len(sources))
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls, register_only,
-                             in_place_reductions)
+                             reductions_in_place=backend == "triton")
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
     debug.write("memory.txt", builder.memory.describe() + "\n")

@@ -88,8 +88,7 @@ def sink_steps(items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
             if refs[id(other)] & outs or not _pure(other):
                 limit = q - 1
                 break
-        for q in range(p + 1, limit + 1):
-            for b in refs[id(order[q])] & ins:
+            for b in refs[id(other)] & ins:
                 last_reader[b] = q
         target = min([limit] + list(last_reader.values()))
         if target > p:

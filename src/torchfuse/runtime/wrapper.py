@@ -22,6 +22,17 @@ def _tuple(nodes) -> str:
     return "(" + "".join(py_index(n) + ", " for n in nodes) + ")"
 
 
+def meta_bytes(meta: tuple | None) -> int | None:
+    """A buffer's size in bytes from its (sizes, strides, dtype, device) meta; None when a size
+    is symbolic or there is no dtype."""
+    if meta is None:
+        return None
+    sizes, _, dtype, _ = meta
+    if not all(s.op == "const" for s in sizes) or not isinstance(dtype, torch.dtype):
+        return None
+    return functools.reduce(operator.mul, (int(s.arg) for s in sizes), 1) * dtype.itemsize
+
+
 class MemoryPlan:
     """Bytes the wrapper holds as it runs, for explain(): each allocation, each name that shares
     one (a view, an in-place output), each `del`.  Inputs are counted apart (`enter`): the caller
@@ -32,7 +43,7 @@ class MemoryPlan:
     def __init__(self) -> None:
         self.owner: dict[str, int] = {}        # name -> storage id
         self.first_name: dict[int, str] = {}   # storage id -> the name it was allocated under
-        self.at_peak: list[tuple[str, int]] = []   # (name, bytes) of the storages live at the peak
+        self.at_peak: dict[int, int] = {}      # storage id -> bytes, live at the peak (inputs too)
         self.size: dict[int, int] = {}         # live storage id -> bytes
         self.names: dict[int, int] = {}        # live storage id -> live names
         self.input_ids: set[int] = set()
@@ -41,11 +52,10 @@ class MemoryPlan:
         self.known = True
 
     def _bytes(self, meta: tuple) -> int | None:
-        sizes, _, dtype, _ = meta
-        if not all(s.op == "const" for s in sizes) or not isinstance(dtype, torch.dtype):
+        n = meta_bytes(meta)
+        if n is None:
             self.known = False
-            return None
-        return functools.reduce(operator.mul, (int(s.arg) for s in sizes), 1) * dtype.itemsize
+        return n
 
     def _new(self, name: str, n: int) -> int:
         self.ids += 1
@@ -57,7 +67,7 @@ class MemoryPlan:
     def _note_peak(self) -> None:
         if self.live > self.peak_bytes:
             self.peak_bytes = self.live
-            self.at_peak = [(self.first_name[sid], n) for sid, n in self.size.items() if sid not in self.input_ids]
+            self.at_peak = self.size.copy()    # (per new peak: a C-level copy, no Python loop)
         total = self.live + self.inputs_live
         if total > self.peak_with_inputs:
             self.peak_with_inputs = total
@@ -112,10 +122,11 @@ class MemoryPlan:
     def _peak_holders(self, top: int = 4) -> str:
         """The largest storages live at the peak the wrapper's own buffers reach: where to look
         when that peak is too high."""
-        largest = sorted(self.at_peak, key=lambda nb: -nb[1])[:top]
+        held = [(self.first_name[sid], n) for sid, n in self.at_peak.items() if sid not in self.input_ids]
+        largest = sorted(held, key=lambda nb: -nb[1])[:top]
         if not largest:
             return ""
-        more = len(self.at_peak) - len(largest)
+        more = len(held) - len(largest)
         return ("; at the peak: " + ", ".join(f"{name} {_human(n)}" for name, n in largest)
                 + (f" and {more} more" if more > 0 else ""))
 
@@ -131,11 +142,11 @@ class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
                  stored: set[str], kernel_calls: dict[str, str] | None = None,
                  register_only: set[str] | frozenset[str] = frozenset(),
-                 in_place_reductions: set[str] | frozenset[str] = frozenset()):
+                 reductions_in_place: bool = False):
         self.program = program
         self.kernel_args = kernel_args
         from .memory_order import sink_steps
-        self.items = _input_copies_last(sink_steps(items, kernel_args, self._nbytes), kernel_args)
+        self.items = _input_copies_last(sink_steps(items, kernel_args, lambda b: meta_bytes(program.buffer_meta.get(b))), kernel_args)
         self.outputs = {o for o in program.outputs if isinstance(o, str)}
         self.reused = 0
         self.kernel_calls = kernel_calls or {}
@@ -143,20 +154,14 @@ class WrapperBuilder:
         # stored by a kernel's looped variant only; the variant that always runs keeps them in
         # registers, so they get a one-element placeholder of their dtype instead of memory
         self.register_only = register_only
-        # reduction kernels whose row-wise output may take the storage of a row-wise input
-        # (generated Triton: each row is read whole before any of it is written, see below)
-        self.in_place_reductions = in_place_reductions
+        # a reduction kernel's row-wise output may take the storage of a row-wise input (generated
+        # Triton: each row is read whole before any of it is written, see _in_place_donor)
+        self.reductions_in_place = reductions_in_place
         from ..scheduler.split import split_factor
         self.globals: dict[str, Any] = {"torch": torch, "aten": torch.ops.aten, "_split_factor": split_factor}
         self.lines: list[str] = []
         self.memory = MemoryPlan()
         self.labels: dict[int, str] = {}     # line index -> profiler label (kernel calls)
-
-    def _nbytes(self, name: str) -> int | None:
-        meta = self.program.buffer_meta.get(name)
-        if meta is None or not isinstance(meta[2], torch.dtype) or not all(s.op == "const" for s in meta[0]):
-            return None
-        return functools.reduce(operator.mul, (int(s.arg) for s in meta[0]), 1) * meta[2].itemsize
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -382,7 +387,7 @@ class WrapperBuilder:
         only at the element it writes (a pointwise kernel: each element is read before it is
         overwritten, by the same thread).  Saves an allocation and, on CPU, the page faults of
         touching fresh memory; on GPU the allocator's peak."""
-        if kernel.kind != "pointwise" and kernel.name not in self.in_place_reductions:
+        if kernel.kind != "pointwise" and not self.reductions_in_place:
             return None
         # the last stored member: every load of the kernel is emitted before its store
         stored = [m for m in kernel.members if m.buffer.name in self.stored]
