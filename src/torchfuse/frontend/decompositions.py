@@ -44,7 +44,48 @@ DECOMPOSE = [
 _table: dict | None = None
 
 
-def decomposition_table() -> dict:
+def decomposition_table(triton_on_cpu: bool | None = None) -> dict:
+    """The table for AOTAutograd.  With `triton_on_cpu` given (the compile path), max pooling
+    also decomposes to the low-memory form where the Triton backend runs it: on CUDA always,
+    on CPU when `cpu_backend="triton"` (the C++ backend leaves pooling to ATen)."""
+    base = _base_table()
+    from ..ir.lower_pool import POOL_WITH_OFFSETS
+    if triton_on_cpu is None or POOL_WITH_OFFSETS is None or aten.max_pool2d_with_indices.default in base:
+        return base     # (a user's own decomposition of max pooling wins)
+    return {**base, aten.max_pool2d_with_indices.default: _max_pool_low_memory(triton_on_cpu)}
+
+
+def _max_pool_low_memory(triton_on_cpu: bool):
+    """max_pool2d_with_indices as (values, int8 window offsets) plus a pointwise conversion to
+    indices.  A training step saves what the backward reads: ATen's int64 indices are 8 bytes
+    per pooled element (100 MB in a ResNet-50 step at batch 64), the offsets 1; the min-cut
+    partitioner saves the offsets and recomputes the indices inside the backward's kernel.
+    The same form as Inductor's decomposition."""
+    from ..ir.lower_pool import MAX_WINDOW, OFFSETS_TO_INDICES, POOL_WITH_OFFSETS
+
+    def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        if not (x.device.type == "cuda" or (triton_on_cpu and x.device.type == "cpu")):
+            return NotImplemented
+        if x.ndim not in (3, 4) or not x.dtype.is_floating_point:
+            return NotImplemented
+        k = _pair(kernel_size)
+        s = _pair(stride) if stride else k
+        p, d = _pair(padding), _pair(dilation)
+        if any(not isinstance(v, int) for v in (*k, *s, *p, *d)) or k[0] * k[1] > MAX_WINDOW:
+            return NotImplemented
+        values, offsets = POOL_WITH_OFFSETS(x, k, s, p, d, ceil_mode)
+        indices = OFFSETS_TO_INDICES(offsets, k, x.shape[-2:], s, p, d)
+        return values, indices
+
+    return max_pool2d_with_indices
+
+
+def _pair(v) -> list:
+    v = [v] if isinstance(v, int) else list(v)
+    return v * 2 if len(v) == 1 else v
+
+
+def _base_table() -> dict:
     global _table
     if _table is None:
         _table = get_decompositions(DECOMPOSE)

@@ -70,7 +70,8 @@ class TorchfuseBackend:
                 aot = aot_autograd(fw_compiler=backend._compiler("forward", training, cached),
                                    bw_compiler=backend._compiler("backward", training, cached),
                                    inference_compiler=backend._compiler("inference", training, cached),
-                                   decompositions=decomposition_table(), partition_fn=partition,
+                                   decompositions=decomposition_table(config.cpu_backend == "triton"),
+                                   partition_fn=partition,
                                    # input mutations stay in the graph as copy_ (inference graphs,
                                    # and in training the ones autograd cannot see: batch norm's
                                    # running statistics), so the kernel computing the new value

@@ -1,11 +1,13 @@
-"""Lowerings of 2-d pooling windows: max pooling (with its indices) and average pooling, for
-the Triton backend (GPU; CPU tensors under `cpu_backend="triton"`).
+"""Lowerings of 2-d pooling windows: max pooling (with its indices or window offsets), its
+backward, and average pooling, for the Triton backend (GPU; CPU tensors under `cpu_backend="triton"`).
 
 Each output element loads its window (at most `MAX_WINDOW` elements) as a stencil of the
 input, so a pooling fuses with the pointwise op that feeds it (batch norm + ReLU + max-pool
 in one kernel) and writes in the input's memory format. ATen's channels-last pooling kernels
 are slow (an inception forward spent 3 ms of 10 in `avg_pool2d_out_cuda_frame_nhwc`), and a
-fallback also cuts the fusion around it. Larger windows run through ATen.
+fallback also cuts the fusion around it. Larger windows run through ATen.  In training the
+forward saves int8 window offsets and the backward gathers the output gradients per input
+element (no atomics), reading the offsets converted back to indices in the same kernel.
 
 Semantics follow ATen's kernels exactly: padded positions never win a max (and are skipped
 by its index), the first strict maximum wins and a NaN always wins; an average divides by
@@ -22,9 +24,20 @@ from .buffers import ComputedValue, TensorValue, Unsupported
 from .lower_pointwise import register, upcast
 from .lower_views import masked
 from .lowering import GraphLowering, shape_of
-from .nodes import INDEX, Node, cast, const, op, where
+from .nodes import INDEX, Node, as_node, cast, const, floordiv, mod, op, where
 
 aten = torch.ops.aten
+
+try:
+    # Inductor's low-memory max-pool ops: the forward saves each output's position in its
+    # window (int8) instead of its int64 index in the input, and the backward converts it back
+    # (frontend/decompositions.py; AOTAutograd's min-cut partitioner knows the conversion as
+    # cheap to recompute, so the backward reads 1 byte per pooled element instead of 8)
+    import torch._inductor.inductor_prims  # noqa: F401  (registers the two prims)
+    POOL_WITH_OFFSETS = torch.ops.prims._low_memory_max_pool_with_offsets.default
+    OFFSETS_TO_INDICES = torch.ops.prims._low_memory_max_pool_offsets_to_indices.default
+except (ImportError, AttributeError):    # a torch without them: ATen's indices are saved
+    POOL_WITH_OFFSETS = OFFSETS_TO_INDICES = None
 
 MAX_WINDOW = 64      # window elements unrolled into one kernel; larger windows run through ATen
 
@@ -79,6 +92,41 @@ def _positions(x: TensorValue, idx: Sequence[Node], k, s, p, d):
     return out
 
 
+def _max_window(lw: GraphLowering, x, kernel_size, stride, padding, dilation, offsets: bool):
+    """Max pooling's values and, per output, where its maximum was: the flat index into the
+    input plane (ATen's int64 indices) or, with `offsets`, the position in the window (int8)."""
+    k, s, p, d = _window(lw, x, kernel_size, stride, padding, dilation)
+    metas = lw.out_meta()
+    out_shape = shape_of(metas[0])
+    guard = _needs_mask(x, out_shape, k, s, p, d)
+    acc = upcast(x.dtype)
+    lowest = const(float("-inf"), acc)
+
+    def scan(idx):
+        best, arg = None, None
+        for j, (sub, mask, flat) in enumerate(_positions(x, idx, k, s, p, d)):
+            where_ = const(j) if offsets else flat
+            val = cast(masked(x, sub, mask) if guard else x.load(sub), acc)
+            if best is None and not guard:
+                best, arg = val, where_
+                continue
+            if best is None:
+                best, arg = lowest, where_
+            take = op("or", op("gt", val, best, dtype=torch.bool), op("isnan", val, dtype=torch.bool),
+                      dtype=torch.bool)
+            if guard:
+                take = op("and", mask, take, dtype=torch.bool)
+            best, arg = where(take, val, best), where(take, where_, arg)
+        return best, arg
+
+    values = ComputedValue(out_shape, x.dtype, lambda idx: cast(scan(idx)[0], x.dtype))
+    arg_dtype = metas[1].dtype
+    positions = ComputedValue(out_shape, arg_dtype, lambda idx: cast(scan(idx)[1], arg_dtype))
+    values.meta, positions.meta = metas[0], metas[1]
+    values.window = positions.window = True
+    return values, positions
+
+
 def _needs_mask(x: TensorValue, out_shape: Sequence[Node], k, s, p, d) -> bool:
     """False when every window lies inside the input (no padding, no ceil_mode overhang)."""
     if p != (0, 0):
@@ -94,34 +142,76 @@ def _needs_mask(x: TensorValue, out_shape: Sequence[Node], k, s, p, d) -> bool:
 
 @register(aten.max_pool2d_with_indices.default)
 def _max_pool2d_with_indices(lw: GraphLowering, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_window(lw, x, kernel_size, stride, padding, dilation, offsets=False)
+
+
+def _max_pool_with_offsets(lw: GraphLowering, x, kernel_size, stride, padding, dilation, ceil_mode=False):
+    return _max_window(lw, x, kernel_size, stride, padding, dilation, offsets=True)
+
+
+def _offsets_to_indices(lw: GraphLowering, offsets, kernel_size, input_size, stride, padding, dilation):
+    """Window positions back to ATen's flat indices into the input plane: pointwise, so it fuses
+    into the backward kernel that reads them."""
+    if not isinstance(offsets, TensorValue) or len(kernel_size) != 2:
+        raise Unsupported("max-pool offsets that are not 2-d")
+    k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
+    if any(not isinstance(v, int) for v in (*k, *s, *p, *d)):
+        raise Unsupported("pooling with symbolic window parameters")
+    width = as_node(input_size[-1])
+
+    def body(idx):
+        off = cast(offsets.load(idx), INDEX)
+        ih = idx[-2] * s[0] - p[0] + floordiv(off, k[1]) * d[0]
+        iw = idx[-1] * s[1] - p[1] + mod(off, k[1]) * d[1]
+        return ih * width + iw
+
+    return ComputedValue(offsets.shape, INDEX, body)
+
+
+if POOL_WITH_OFFSETS is not None:
+    register(POOL_WITH_OFFSETS)(_max_pool_with_offsets)
+    register(OFFSETS_TO_INDICES)(_offsets_to_indices)
+
+
+@register(aten.max_pool2d_with_indices_backward.default)
+def _max_pool2d_backward(lw: GraphLowering, grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    """The input's gradient as a gather: each input element sums the output gradients of the
+    (at most ceil(k/s) per dim) windows that cover it and chose it as their maximum.  ATen's
+    kernel scatters with atomics, and needs the indices as int64; this reads them computed from
+    the saved int8 offsets, fused (x is read for its shape only)."""
     k, s, p, d = _window(lw, x, kernel_size, stride, padding, dilation)
-    metas = lw.out_meta()
-    out_shape = shape_of(metas[0])
-    guard = _needs_mask(x, out_shape, k, s, p, d)
-    acc = upcast(x.dtype)
-    lowest = const(float("-inf"), acc)
+    if d != (1, 1):
+        raise Unsupported("max-pool backward with dilation")
+    if not isinstance(grad, TensorValue) or not isinstance(indices, TensorValue):
+        raise Unsupported("max-pool backward of a non-tensor")
+    out_h, out_w = grad.shape[-2], grad.shape[-1]
+    width = x.shape[-1]
+    acc = upcast(grad.dtype)
+    # windows covering one input row: oh from (ih + p) // s down to ceil((ih + p - k + 1) / s)
+    reach_h, reach_w = (k[0] - 1) // s[0] + 1, (k[1] - 1) // s[1] + 1
 
-    def scan(idx):
-        best, arg = None, None
-        for sub, mask, flat in _positions(x, idx, k, s, p, d):
-            val = cast(masked(x, sub, mask) if guard else x.load(sub), acc)
-            if best is None and not guard:
-                best, arg = val, flat
-                continue
-            if best is None:
-                best, arg = lowest, flat
-            take = op("or", op("gt", val, best, dtype=torch.bool), op("isnan", val, dtype=torch.bool),
-                      dtype=torch.bool)
-            if guard:
-                take = op("and", mask, take, dtype=torch.bool)
-            best, arg = where(take, val, best), where(take, flat, arg)
-        return best, arg
+    def body(idx):
+        ih, iw = idx[-2], idx[-1]
+        lead = list(idx[:-2])
+        here = ih * width + iw
+        top, left = floordiv(ih + p[0], s[0]), floordiv(iw + p[1], s[1])
+        total = None
+        for a in range(reach_h):
+            oh = top + (-a)
+            for b in range(reach_w):
+                ow = left + (-b)
+                mask = None
+                for c in (op("ge", oh, const(0), dtype=torch.bool), op("lt", oh, out_h, dtype=torch.bool),
+                          op("ge", ow, const(0), dtype=torch.bool), op("lt", ow, out_w, dtype=torch.bool)):
+                    mask = c if mask is None else op("and", mask, c, dtype=torch.bool)
+                sub = lead + [oh, ow]
+                chose = op("and", mask, op("eq", masked(indices, sub, mask), here, dtype=torch.bool),
+                           dtype=torch.bool)
+                term = where(chose, cast(masked(grad, sub, mask), acc), const(0.0, acc))
+                total = term if total is None else op("add", total, term, dtype=acc)
+        return cast(total, grad.dtype)
 
-    values = ComputedValue(out_shape, x.dtype, lambda idx: cast(scan(idx)[0], x.dtype))
-    indices = ComputedValue(out_shape, torch.int64, lambda idx: cast(scan(idx)[1], torch.int64))
-    values.meta, indices.meta = metas[0], metas[1]
-    values.window = indices.window = True
-    return values, indices
+    return ComputedValue(x.shape, grad.dtype, body)
 
 
 @register(aten.avg_pool2d.default)
