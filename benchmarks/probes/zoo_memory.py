@@ -41,7 +41,8 @@ def _step(name: str, mode: str, dtype: torch.dtype, backend: str):
 
 
 def _site(frames: list[dict]) -> str:
-    keep = [f for f in frames if "/torch/" not in f["filename"] or "torchfuse" in f["filename"]]
+    keep = [f for f in frames if "/torch/" not in f["filename"] or "torchfuse" in f["filename"]
+            or "cudagraph" in f["filename"]]
     return " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in keep[:3])
 
 

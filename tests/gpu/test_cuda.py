@@ -254,3 +254,48 @@ def test_in_place_and_large_kernels_get_direct_launchers():
                for obj in vars(m).values() if "_tf_fast" in getattr(obj, "__dict__", {})]
     assert len(kernels) >= 2 and all(all(t.values()) for t in (k._tf_fast for k in kernels)), \
         [k._tf_fast for k in kernels]
+
+
+def test_launch_convention_verified_once_per_kind(monkeypatch):
+    """Verifying a direct launcher copies the kernel's arguments: done for the first kernel of a
+    kind of launcher only, so a model's first call holds no copies of later kernels' inputs."""
+    from torchfuse.runtime import triton_launch
+    monkeypatch.setattr(triton_launch, "_trusted", {})
+    copies = []
+    snapshot = triton_launch._snapshot
+    monkeypatch.setattr(triton_launch, "_snapshot", lambda args: copies.append(1) or snapshot(args))
+
+    def f(x, y):
+        a = (x * 1.75).softmax(-1)                 # three kernels new to this process
+        return a @ y, (a.t() * 3.25).sum(0), (y + 0.625).exp()
+
+    cf = torch.compile(f, backend="torchfuse", options={"strict": True})
+    x, y = torch.randn(64, 96, device="cuda"), torch.randn(96, 96, device="cuda")
+    for _ in range(2):
+        for out, ref in zip(cf(x, y), f(x, y)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert len(copies) == 1, copies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cnn_stem_training_saves_int8_pool_offsets(dtype):
+    """conv-BN-ReLU-max-pool in training, channels-last: the forward saves int8 window offsets,
+    the pool's backward is a kernel (no ATen fallback), gradients equal eager's."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 16, 7, 2, 3, bias=False)
+    bn = torch.nn.BatchNorm2d(16)
+    stem = torch.nn.Sequential(conv, bn, torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1)).cuda().to(dtype)
+    stem = stem.to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 57, 61, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    e = torchfuse.explain(lambda x: stem(x).float().square().mean(), x)
+    forward = next(g for g in e.graphs if "_forward: after passes" in g)
+    assert "i8[" in forward and "_low_memory_max_pool_with_offsets" in forward, forward
+    assert not [f for f in e.fallbacks if "max_pool" in f.op], e.fallbacks
+    e.output.backward()
+    params = list(stem.parameters())
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    stem(x).float().square().mean().backward()
+    for g, p in zip(grads, params):
+        _close(g.float(), p.grad.float(), dtype)

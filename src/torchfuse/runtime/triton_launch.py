@@ -337,7 +337,10 @@ def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int
     if fast:
         fast(grid, args)
         return fast
-    before = _snapshot(args) if fast is None else None
+    # a calling convention is verified (inputs copied, the launch redone, outputs compared) once
+    # per kind of launcher, not per kernel: copies of every kernel's arguments made a model's
+    # first call hold up to 32 MiB more than its later calls, and synchronized after each kernel
+    before = _snapshot(args) if fast is None and (not _trusted or key in table) else None
     binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
     if fast is None:
         table[key] = _make_fast(binary, args, constexprs, grid, before)
