@@ -1,7 +1,7 @@
 """mode="reduce-overhead" side by side: eager, Inductor and torchfuse under CUDA graphs (and
 torchfuse without them), on small-batch decoder inference and on training steps.
 
-    python benchmarks/cudagraph_bench.py [--rows infer,train] [--json out.json]
+    python benchmarks/cudagraph_bench.py [--rows infer,train] [--only llama,gpt2,resnet18] [--json out.json]
 
 Inference rows: Llama-style (GQA) and GPT-2-style 6-layer decoders, batch 1-4 x 32-128 tokens,
 bf16 and fp32, the hidden states out.  Training rows: forward, loss, backward and an eager SGD
@@ -164,18 +164,22 @@ def table(rows: list[Row]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="infer,train", help="infer, train or both")
+    ap.add_argument("--only", help="comma-separated models: llama, gpt2, resnet18")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
+    wanted = lambda model: not args.only or model in args.only.split(",")  # noqa: E731
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     rows: list[Row] = []
     if "infer" in args.rows:
         for kind, dtype, batch, seq in [("llama", torch.bfloat16, 1, 32), ("llama", torch.bfloat16, 4, 128),
                                         ("llama", torch.float32, 1, 64), ("gpt2", torch.bfloat16, 1, 64),
                                         ("gpt2", torch.float32, 2, 96)]:
-            rows.append(inference_row(kind, dtype, batch, seq))
+            if wanted(kind):
+                rows.append(inference_row(kind, dtype, batch, seq))
     if "train" in args.rows:
         for name in ("gpt2", "resnet18"):
-            rows.append(training_row(name))
+            if wanted(name):
+                rows.append(training_row(name))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
