@@ -228,3 +228,37 @@ def test_torch_compile_entry_point(tf):
     for shape in ((4, 16), (6, 16), (3, 7)):
         x, w = tf.rand(shape), tf.rand(shape[-1:])
         tf.assert_same(fn(x, w), F.layer_norm(x, (shape[-1],)) * w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("reduction_first", [False, True])
+def test_unrelated_buffer_of_another_layout_stays_out_of_a_reduction(tf, reduction_first):
+    """Equal sizes, different layouts, no shared data: a channels-last [16, 64, 28, 28] map and
+    a per-channel sum over a channels-last [16, 256, 14, 14] one (a ResNet backward's batch-norm
+    gradients of two layers).  Their loops tile each other only with the 64 channels split
+    across the sum's rows and reduced dims, so fusing them wrote one uncoalesced: two kernels,
+    and the refusal says why."""
+    a = tf.rand((16, 64, 28, 28)).to(memory_format=torch.channels_last)
+    b = tf.rand((16, 256, 14, 14)).to(memory_format=torch.channels_last)
+
+    def fn(a, b):
+        s = (b * 3).sum((0, 2, 3))
+        y = a * 2 + 1
+        return (s, y) if reduction_first else (y, s)
+
+    e = tf.check(fn, a, b, kernels=2, check_stride=True, atol=1e-4, rtol=1e-4)
+    assert any("uncoalesced" in r for r in e.refused_fusions), e.refused_fusions
+
+
+def test_reduction_reading_another_layout_still_fuses(tf):
+    """A member that shares data with the reduction (batch norm's input gradient next to its
+    per-channel sums, a softmax written contiguous from a transposed read) stays in its kernel."""
+    x = tf.rand((4, 16, 9, 7)).to(memory_format=torch.channels_last)
+    g = tf.rand((4, 16, 9, 7))
+
+    def bn_backward_like(x, g):
+        mean = x.mean((0, 2, 3), keepdim=True)
+        s = (g * (x - mean)).sum((0, 2, 3), keepdim=True)
+        return g - (x - mean) * s
+
+    e = tf.check(bn_backward_like, x, g, atol=1e-5, rtol=1e-4)
+    assert len(e.kernels) == 2 and not any("uncoalesced" in r for r in e.refused_fusions), e
