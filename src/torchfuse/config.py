@@ -64,8 +64,8 @@ class Config:
     """How many loaded kernel libraries stay in the in-process LRU cache."""
 
     # --- graph passes ------------------------------------------------------------------------
-    passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "pad_mm",
-                               "unfuse_addmm", "unfuse_conv_bias", "dce")
+    passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold",
+                               "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "dce")
     """The aten graph passes to run, in order: registered names (torchfuse.passes.REGISTRY,
     torchfuse.register_pass), callables (gm, ctx) -> changes, or torch.fx PassBase objects."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
@@ -75,6 +75,10 @@ class Config:
     scale and shift fuse into the kernel after the convolution at no measurable cost (zoo CNNs
     on an H100: 0.985-1.04x the folded speed), and the copy raised peak memory by 8-91 MiB
     (resnet50: 778 -> 687 MiB, Inductor's figure; benchmarks/probes/option_ab.py)."""
+    channels_last_devices: tuple[str, ...] = ("cpu",)
+    """Devices on which `channels_last_convs` runs (inference graphs): convolutions read their
+    activations channels-last, as oneDNN runs them 10-35% faster (zoo CNNs on 2 cores).  Not
+    on CUDA by default: not measured there yet (the GPU zoo feeds channels-last already)."""
     freezing: bool = False
     """Inference graphs: values computed from parameters and buffers alone (folded conv-bn
     weights, weight casts, position biases) are always computed once and kept; by default they

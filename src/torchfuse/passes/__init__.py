@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch.fx
 
 # Imported under private names so that `torchfuse.passes.cse` etc. stay the submodules.
+from .channels_last import channels_last_convs as _channels_last_convs
 from .constant_fold import constant_fold as _constant_fold
 from .context import PassContext, PassRecord
 from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
@@ -42,13 +43,14 @@ REGISTRY: dict[str, Pass] = {
     "simplify": _simplify,
     "merge_step_sums": _merge_step_sums,
     "conv_bn_fold": _conv_bn_fold,
+    "channels_last_convs": _channels_last_convs,
     "pad_mm": _pad_mm,
     "unfuse_addmm": _unfuse_addmm,
     "unfuse_conv_bias": _unfuse_conv_bias,
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "pad_mm",
-                                     "unfuse_addmm", "unfuse_conv_bias", "dce")
+DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold",
+                                     "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "dce")
 
 
 def run_passes(gm: torch.fx.GraphModule, names: Sequence[Any], ctx: PassContext) -> list[PassRecord]:

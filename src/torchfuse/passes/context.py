@@ -18,6 +18,10 @@ class PassContext:
     sizes, and `unfuse_addmm` / `unfuse_conv_bias` move the bias adds of matrix products and
     convolutions into the consumer kernels (CPU BLAS and oneDNN need neither)."""
 
+    channels_last_devices: tuple[str, ...] = ("cpu",)
+    """Device types whose inference convolutions read channels-last activations
+    (`channels_last_convs`)."""
+
 
 @dataclass
 class PassRecord:

@@ -96,7 +96,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     device = _graph_device(gm)
     passes = [p for p in config.passes if p != "conv_bn_fold" or device in config.conv_bn_fold_devices]
     with counters.timed("passes"):
-        records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices))
+        records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices,
+                                                      channels_last_devices=config.channels_last_devices))
     after = gm.print_readable(print_output=False) if readable else ""
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
     if report is not None:

@@ -1,0 +1,86 @@
+"""channels_last_convs (src/torchfuse/passes/channels_last.py): an inference graph's
+convolutions read channels-last activations, one copy at the first convolution, the layout
+carried through the ops between, outputs with eager's strides."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _copies(e) -> int:
+    """channels-last copies the pass inserted, over all graphs."""
+    return sum(int(re.search(r"\((\d+) changes\)", p).group(1)) for p in e.passes if "channels_last_convs" in p)
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.Hardswish(),           # depthwise
+        nn.MaxPool2d(2), nn.Conv2d(8, 16, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5)).eval()
+
+
+def test_one_copy_at_the_first_convolution(tf):
+    model, x = _cnn(), tf.rand((2, 3, 11, 9))
+    with torch.no_grad():
+        e = tf.check(model, x, allow_fallbacks={"aten.convolution.default", "aten.addmm.default",
+                                                "aten.max_pool2d_with_indices.default"})
+    assert _copies(e) == 1, e.passes
+
+
+def test_outputs_keep_eagers_strides(tf):
+    """A 4-d convolution output and a flatten of one (a view that needs contiguous strides)."""
+    torch.manual_seed(0)
+    conv, conv2 = nn.Conv2d(3, 6, 3), nn.Conv2d(6, 4, 1)
+    x = tf.rand((2, 3, 10, 7))
+
+    def fn(x):
+        y = torch.relu(conv(x))
+        z = conv2(y)
+        return z * 2, z.view(2, -1) + 1, y[:, :2]
+
+    with torch.no_grad():
+        e = tf.check(fn, x, check_stride=True, allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
+    assert _copies(e) == 1, e.passes
+
+
+def test_channels_last_input_and_training_are_left_alone(tf):
+    model, x = _cnn(), tf.rand((2, 3, 8, 8))
+    fallbacks = {"aten.convolution.default", "aten.addmm.default", "aten.max_pool2d_with_indices.default",
+                 "aten.convolution_backward.default", "aten.max_pool2d_with_indices_backward.default",
+                 "aten.mm.default"}
+    with torch.no_grad():
+        e = tf.check(model, x.to(memory_format=torch.channels_last), allow_fallbacks=fallbacks)
+    assert _copies(e) == 0, e.passes
+    e = tf.check_grad(lambda x: model.train()(x), x.requires_grad_(), allow_fallbacks=fallbacks | {"aten.copy_.default"},
+                      atol=1e-4, rtol=1e-4)
+    assert _copies(e) == 0, e.passes
+
+
+def test_devices_option_turns_it_off(tf):
+    model, x = _cnn(), tf.rand((2, 3, 8, 8))
+    with torch.no_grad():
+        e = tf.check(model, x, options={"channels_last_devices": ()},
+                     allow_fallbacks={"aten.convolution.default", "aten.addmm.default",
+                                      "aten.max_pool2d_with_indices.default"})
+    assert _copies(e) == 0, e.passes
+
+
+def test_layout_reaches_later_convolutions_through_cat_and_pool(tf):
+    """A concat-heavy block: the branches' convolutions share one copy of the input."""
+    torch.manual_seed(0)
+    a, b, c = nn.Conv2d(4, 3, 1), nn.Conv2d(4, 5, 3, padding=1), nn.Conv2d(8, 2, 1)
+    x = tf.rand((2, 4, 9, 9))
+
+    def fn(x):
+        y = torch.cat([F.relu(a(x)), F.relu(b(x))], 1)
+        return c(F.avg_pool2d(y, 3, 1, 1)).sum((2, 3))
+
+    with torch.no_grad():
+        e = tf.check(fn, x, allow_fallbacks={"aten.convolution.default", "aten.avg_pool2d.default"},
+                     atol=1e-5, rtol=1e-4)
+    assert _copies(e) == 1, e.passes
