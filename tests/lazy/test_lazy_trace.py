@@ -143,3 +143,18 @@ def test_partial_flushes_and_host_reads_in_a_loop():
         out = loop(torch.zeros(8))
     torch.testing.assert_close(out, loop(torch.zeros(8)))
     assert ctx.trace_hits > 0 and delta(before)["lazy_replays"] > 0
+
+
+def test_nan_scalars_are_not_learnt():
+    """nan never equals itself: a step learnt from it would never match and a new one would be
+    added on every call."""
+    from torchfuse.lazy import trace
+    x = torch.randn(4, 8)
+    ctx = torchfuse.lazy(options={"strict": True})
+    root = trace.root_for(ctx)
+    before = len(root.children.get(id(torch.ops.aten.add.Tensor), []))
+    for _ in range(3):
+        with ctx:
+            out = (x + float("nan")).sum()
+        assert torch.isnan(out)
+    assert len(root.children.get(id(torch.ops.aten.add.Tensor), [])) == before

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("torchfuse.lazy")
 
 MAX_STEPS = 1 << 16         # trie size bound: past it the trie starts over
+MAX_VARIANTS = 16           # steps of one op after the same step (argument variants)
 _num_steps = 0
 _ROOTS: dict[tuple, "Step"] = {}
 
@@ -189,6 +190,8 @@ def _spec_of(a: Any, trace: list) -> tuple:
     if t is torch.Tensor or t is torch.nn.Parameter:
         return (_REAL, a.dtype, a.size(), a.stride(), a.storage_offset(), a.device)
     if t is float:
+        if a != a:
+            raise _NoSpec("nan")        # never equal to itself: it would be learnt on every call
         return (_FLOAT, a, repr(a))
     if (t is list or t is tuple) and any(isinstance(x, torch.Tensor) for x in a):
         return (_TLIST, t, tuple(_spec_of(x, trace) for x in a))
@@ -215,10 +218,14 @@ def learn(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict, plan: Any, n
     has_tensor = any(s[0] in (_PENDING, _REAL, _TLIST) for s in (*specs, *kwspecs))
     step = Step(func, specs, kwnames, kwspecs, plan, None if has_tensor else torch.get_default_device(),
                 node.is_view, node.depth)
+    cands = ctx.cursor.children.setdefault(id(func), [])
+    if len(cands) >= MAX_VARIANTS:
+        stop(ctx)             # an op whose arguments change every time: not worth predicting
+        return
     if _num_steps >= MAX_STEPS:
         clear()               # the cursor's detached subtree lives on until the next flush
     _num_steps += 1
-    ctx.cursor.children.setdefault(id(func), []).append(step)
+    cands.append(step)
     advance(ctx, step, node)
 
 
