@@ -158,3 +158,16 @@ def test_nan_scalars_are_not_learnt():
             out = (x + float("nan")).sum()
         assert torch.isnan(out)
     assert len(root.children.get(id(torch.ops.aten.add.Tensor), [])) == before
+
+
+def test_many_variants_of_an_op_keep_the_newest_predicted():
+    """The first op of every program seen hangs below the same root: past MAX_VARIANTS the
+    oldest go, the program running now is still predicted."""
+    from torchfuse.lazy import trace
+    x = torch.randn(4, 8)
+    for i in range(trace.MAX_VARIANTS + 4):
+        lazy_run(lambda x: (x * (i + 0.5)).sum(), x)      # a new scalar: a new variant
+    for _ in range(2):
+        out, ctx = lazy_run(program, x, x)
+    assert ctx.trace_misses == 0 and ctx.trace_hits > 0
+    torch.testing.assert_close(out, program(x, x))

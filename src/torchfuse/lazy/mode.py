@@ -275,14 +275,18 @@ def _record_predicted(ctx: "LazyContext", cands: list, func: Any, args: tuple, k
     tr.append(node)
     ctx.cursor = step
     ctx.trace_hits += 1
-    _commit(ctx, node)
+    ctx.recorded += 1                 # _commit, inlined
+    if _graph_task_id() != ctx.backward_task:
+        _note_graph_task(ctx)
+    if step.is_view and type(inputs[0]) is tuple:
+        root = view_root(*inputs[0])
+        if root is not None:
+            root[0].has_views = True
     if node.container is not None:
         outs = [new_wrapper(d, node.device, node, k) if type(d) is tuple else d for k, d in enumerate(node.descs)]
         ctx._track([r for r in node.wrappers if r is not None])
         return node.container(outs)
-    size, stride, offset, dtype = plan.descs[0]
-    w = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
-                      device=plan.device, requires_grad=False)
+    w = _make_wrapper(LazyTensor, plan.descs[0][0], **plan.wrap_kw)
     w._lz_node = node
     w._lz_idx = 0
     w._lz_real = None
@@ -309,6 +313,19 @@ class Plan:
     container: Any
     device: torch.device
     work: int = 0          # elements written by the op (0 for views): see lazy(pipeline_ops=)
+    wrap_kw: dict | None = None   # _make_wrapper_subclass arguments of a single output's wrapper
+
+
+def _wrap_kwargs(desc: tuple, device: torch.device) -> dict:
+    """Arguments for the wrapper of an output with `desc`, leaving out strides and offset when
+    they are the defaults (contiguous, 0): about 0.3 us less per recorded op."""
+    size, stride, offset, dtype = desc
+    kw: dict = {"dtype": dtype, "device": device}
+    if stride != torch.empty(size, device="meta").stride():
+        kw["strides"] = stride
+    if offset:
+        kw["storage_offset"] = offset
+    return kw
 
 
 _PLANS: dict[tuple, "Plan | str"] = {}
@@ -491,7 +508,8 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
         return str(e)
     dids = tuple(_did(d, device) if type(d) is tuple else None for d in descs)
     work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if type(d) is tuple)
-    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work)
+    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work,
+                _wrap_kwargs(descs[0], device) if container is None else None)
 
 
 def _commit(ctx: "LazyContext", node: LazyNode) -> None:

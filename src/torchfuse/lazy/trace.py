@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("torchfuse.lazy")
 
 MAX_STEPS = 1 << 16         # trie size bound: past it the trie starts over
-MAX_VARIANTS = 16           # steps of one op after the same step (argument variants)
+MAX_VARIANTS = 16           # steps of one op kept after the same step (argument variants)
 _num_steps = 0
 _ROOTS: dict[tuple, "Step"] = {}
 
@@ -220,8 +220,9 @@ def learn(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict, plan: Any, n
                 node.is_view, node.depth)
     cands = ctx.cursor.children.setdefault(id(func), [])
     if len(cands) >= MAX_VARIANTS:
-        stop(ctx)             # an op whose arguments change every time: not worth predicting
-        return
+        # the oldest variant goes (the first op of a trace has one per program seen; an op
+        # whose scalar changes every call churns here instead of slowing every match)
+        del cands[0]
     if _num_steps >= MAX_STEPS:
         clear()               # the cursor's detached subtree lives on until the next flush
     _num_steps += 1
