@@ -293,6 +293,8 @@ def try_replay(ctx: "LazyContext", values: list, reason: str) -> bool:
     if rep.entry.evicted:          # the compiled-graph cache dropped it (LRU bound, clear())
         del step.replays[key]
         return False
+    if not rep.entry.checked:      # its first run failed before its outputs were checked
+        return False
     t0 = time.perf_counter()
     trace = ctx.trace
     leaves: list = []
