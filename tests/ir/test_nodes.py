@@ -304,3 +304,25 @@ def test_symbolic_max_in_sizes():
     assert n.op == "maximum"
     expr = py_index(n)
     assert eval(expr, {"s0": 64}) == 12 and eval(expr, {"s0": 1000}) == 1
+
+
+def test_symbolic_row_step_divisor():
+    """A view's flat index over rows `c` apart, divided by `s * c` (a batch of `s` symbolic rows:
+    GPT-2's (b*t, 512) -> (b, t, 512) -> (b*t, 512) with a symbolic t) simplifies to x0 // s, and
+    the whole unflatten/flatten round trip to the flat index, as it does with constant sizes."""
+    x0, x1 = var("x0"), var("x1")
+    ranges = {"x0": mul(s, 3), "x1": const(8)}
+    flat = add(mul(x0, 8), x1)
+    q = floordiv(flat, mul(s, 8), ranges)
+    r = mod(flat, mul(s, 8), ranges)
+    assert q == floordiv(x0, s)
+    assert "//" not in N.to_text(r).replace(N.to_text(x0), "")    # no division of the flat index
+    assert add(mul(mul(q, s), 8), add(mul(mod(floordiv(flat, 8, ranges), s, ranges), 8), x1)) == flat
+    for sv in (2, 3, 5):
+        for env in points({"x0": 3 * sv, "x1": 8}):
+            env["s0"] = sv
+            assert c_eval(q, env) == (env["x0"] * 8 + env["x1"]) // (sv * 8)
+            assert c_eval(r, env) == (env["x0"] * 8 + env["x1"]) % (sv * 8)
+    # not a size symbol (an unbacked one may be 0 or negative): left alone
+    u = sym("u0")
+    assert floordiv(flat, mul(u, 8), {"x0": mul(u, 3), "x1": const(8)}).op == "floordiv"

@@ -369,26 +369,35 @@ def floordiv(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None
         return floordiv(a.args[0], a.args[1].arg * d.arg, ranges)
     part = _split_by_step(a, d, ranges)
     if part is not None:            # (c*q + r) // (c*k) = q // k when 0 <= r < c
-        q, _, c = part
-        return floordiv(q, d.arg // c, ranges)
+        q, _, c, k = part
+        return floordiv(q, k, ranges)
     return Node("floordiv", (a, d), None, INDEX)
 
 
-def _split_by_step(a: Node, d: Node, ranges: Mapping[str, Node] | None) -> tuple[Node, Node, int] | None:
-    """(q, r, c) with a = c*q + r, 0 <= r < c, c > 1 a proper divisor of the constant d: the
-    flat index of a view whose rows are c apart (x0*3072 + x1 over [2048, 3072], d = 512*3072)."""
-    if d.op != "const" or d.arg <= 1 or a.op != "add":
+def _split_by_step(a: Node, d: Node, ranges: Mapping[str, Node] | None
+                   ) -> tuple[Node, Node, int, Node] | None:
+    """(q, r, c, k) with a = c*q + r, 0 <= r < c, d = c*k, c > 1: the flat index of a view
+    whose rows are c apart (x0*3072 + x1 over [2048, 3072], d = 512*3072).  d may be a constant
+    times size symbols (d = s0*512 with symbolic sizes: the same view of a batch of s0 rows);
+    k is then that product, positive since size symbols are >= 2."""
+    if a.op != "add":
+        return None
+    dterms = _terms(d)
+    if len(dterms) != 1:
+        return None
+    (dkey, dcoef), = dterms.items()
+    if dcoef <= 1 or not all(f.op == "sym" and str(f.arg).startswith("s") for f in dkey):
         return None
     terms = _terms(a)
     if not _sum_nonneg(terms):
         return None
     for c in sorted({abs(coef) for coef in terms.values()}, reverse=True):
-        if c <= 1 or d.arg % c or c == d.arg:
+        if c <= 1 or dcoef % c or (c == dcoef and not dkey):
             continue
         big = {k: v // c for k, v in terms.items() if v % c == 0}
         small = {k: v for k, v in terms.items() if v % c}
         if small and _provably_below(_build(small), const(c), ranges):
-            return _build(big), _build(small), c
+            return _build(big), _build(small), c, _build({dkey: dcoef // c})
     return None
 
 
@@ -411,8 +420,8 @@ def mod(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = No
         return a
     part = _split_by_step(a, d, ranges)
     if part is not None:            # (c*q + r) % (c*k) = c*(q % k) + r when 0 <= r < c
-        q, r, c = part
-        return add(mul(mod(q, d.arg // c, ranges), c), r)
+        q, r, c, k = part
+        return add(mul(mod(q, k, ranges), c), r)
     return Node("mod", (a, d), None, INDEX)
 
 

@@ -92,6 +92,7 @@ class Entry:
     checked: bool = False                # outputs checked once (aliasing, dtype, layout)
     copy_outputs: tuple[int, ...] = ()   # outputs aliasing a leaf or another output: copied
     fixes: tuple = ()                    # (output, "dtype"/"layout") conversions eager needs
+    evicted: bool = False                # dropped from the cache: flush replays must not use it
     descs: list = field(default_factory=list)
 
     @property
@@ -118,6 +119,8 @@ def config_token(config: Config) -> int:
 
 
 def clear() -> None:
+    for entry in _EXACT.values():
+        entry.evicted = True
     _EXACT.clear()
     _SHAPES.clear()
     _STATIC_ONLY.clear()
@@ -131,7 +134,9 @@ def cache_sizes() -> tuple[int, int]:
 
 def _bound(cache: OrderedDict, limit: int) -> None:
     while len(cache) > max(1, limit):
-        cache.popitem(last=False)
+        _, value = cache.popitem(last=False)
+        if type(value) is Entry:
+            value.evicted = True
 
 
 def lookup(sig: tuple, order: list["LazyNode"], codes: list[list], outs: tuple, leaves: list,
@@ -241,9 +246,10 @@ def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
     * ("same", j, off): an earlier lifted int plus `off` (the same length used twice in a
       graph with no input tensor to take it from: `arange(s)` then `expand(b, s)`);
     * ("free",): a graph input of its own (`view(2 * b, ...)`, `arange(n)`);
-    * ("const", v): -1, 0, 1, huge ints, ints inside a size list with a -1, and ints equal
-      to a size of a parameter (a model's width: `view(b, s, 3 * hidden)`; as a free symbol it
-      would be unified with the weight's size: guards and run-time Max/FloorDiv in indices).
+    * ("const", v): -1, 0, 1, huge ints, and ints equal to a size of a parameter that are not
+      a leaf's size (a model's width: `view(b, s, 3 * hidden)`; as a symbol it would be unified
+      with the weight's size: guards and run-time Max/FloorDiv in indices) -- in a size list
+      with a -1, even when they are a leaf's size too.
 
     A constant that merely equals a size in this call (a head count equal to the batch) is
     read as a size; `_free_ints` checks a pattern against every later call, so such a
@@ -265,7 +271,13 @@ def _pattern(cands: list, leaves: list[torch.Tensor]) -> tuple:
     out: list[tuple] = []
     for j, (value, free_ok, index) in enumerate(cands):
         how: tuple = ("const", value)
-        if 2 <= value < _MAX_FREE:
+        # Beside a -1 (`x.view(-1, x.size(-1))`: the -1 takes the batch dims) an int equal to
+        # a model's width is that width: read as a leaf's size (GPT-2's 128 when batch x seq is
+        # also 128) it would tie the weights' sizes to the batch in the guards, and kernels
+        # over that width would loop over a symbolic size (slower, not vectorized).  Elsewhere a
+        # leaf's size wins (a batch of 4 beside 4 channels per group).  Either way a
+        # coincidence costs a compile, never a wrong hit.
+        if 2 <= value < _MAX_FREE and (free_ok or value not in fixed):
             # (offsets only for indices: small sizes +-1 would match head counts too often)
             for off in (0, -1, 1) if index else (0,):
                 if value - off in sizes:

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 
 from ..report import Explanation
 from ..config import Config
+from . import trace
 from .cache import config_token
 from .graph import FlushLog, FlushRecord, LazyNode, flush
 from .mode import LazyMode
@@ -145,9 +146,17 @@ class LazyContext:
         auto = pipeline_ops is None
         self.pipeline_ops = (DEFAULT_CUDA_PIPELINE_OPS if auto else pipeline_ops) or max_nodes
         self.pipelining = not auto              # on: cut every pipeline_ops ops (see mode)
+        # below this many recorded ops neither cut can be due: a predicted op skips the check
+        self.flush_check_from = min(self.max_nodes, self.pipeline_ops)
         self.pipeline_min_work = CUDA_PIPELINE_MIN_WORK
         self.id = next(_ids)
         self.backward_task = -1                 # autograd graph task last seen recording (mode)
+        # op prediction (see trace.py): nodes recorded since the last flush, the trie step of
+        # the last one (None: prediction off until the next flush), ops predicted / not
+        self.trace: list[LazyNode] = []
+        self.cursor: trace.Step | None = trace.root_for(self)
+        self.trace_hits = 0
+        self.trace_misses = 0
         self._entered: list[tuple[LazyMode, LazyMode | None]] = []
 
     # -- context manager / decorator -------------------------------------------------------
@@ -216,6 +225,7 @@ class LazyContext:
         self.recorded = self.work = 0
         if values:
             flush(values, reason, self)
+        trace.reset(self)              # (also when nothing was pending: dead nodes only)
 
     def _track(self, refs: list) -> None:
         """Remember weak references to new pending wrappers (for the flush at exit)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..counters import counters
-from . import cache
+from . import cache, trace
 from .cache import Slot, fill
 
 if TYPE_CHECKING:
@@ -143,11 +143,11 @@ class LazyNode:
     """One recorded aten op.  `results[k]` holds output k once it has been computed."""
     __slots__ = ("func", "targs", "tkwargs", "inputs", "skey", "descs", "container", "device",
                  "is_view", "results", "wrappers", "has_views", "depth", "dids", "mark", "pos",
-                 "__weakref__")
+                 "tpos", "__weakref__")
 
     def __init__(self, func: Any, targs: tuple, tkwargs: dict, inputs: list[Ref], skey: tuple,
                  descs: list[Desc], container: type | None, device: torch.device, is_view: bool,
-                 dids: tuple = ()):
+                 dids: tuple = (), depth: int = 0):
         self.func, self.targs, self.tkwargs = func, targs, tkwargs
         self.inputs = inputs
         self.skey = skey
@@ -157,15 +157,18 @@ class LazyNode:
         self.dids = dids             # interned layout ids of the outputs (see mode.Plan)
         self.mark = 0                # last `topo` walk that visited this node
         self.pos = 0                 # position in that walk's order
+        self.tpos = -1               # position in its block's trace (see trace.py), -1: none
         self.results: list[torch.Tensor | None] | None = None
         self.wrappers: list[weakref.ref | None] = [None] * len(descs)
         self.has_views = False       # a pending view of this node exists (blocks in-place rebinding)
         # longest chain of pending ops ending here: bounds the graph a flush of this value builds
-        depth = 0
-        for r in inputs:
-            if type(r) is tuple and r[0].results is None and r[0].depth > depth:
-                depth = r[0].depth
-        self.depth = depth + 1
+        # (given when predicted: the same inputs are pending as when the step was learnt)
+        if not depth:
+            for r in inputs:
+                if type(r) is tuple and r[0].results is None and r[0].depth > depth:
+                    depth = r[0].depth
+            depth += 1
+        self.depth = depth
 
     def resolved(self, k: int) -> bool:
         return self.results is not None and self.results[k] is not None
@@ -240,9 +243,11 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def clear_cache() -> None:
-    """Forget compiled graphs and recording plans (kernel libraries stay in their own cache)."""
+    """Forget compiled graphs, recording plans and op predictions (kernel libraries stay in
+    their own cache)."""
     from .mode import clear_plans
     cache.clear()
+    trace.clear()
     _META_CACHE.clear()
     clear_plans()
 
@@ -307,6 +312,10 @@ def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | N
         return
     popped = pop_lazy_modes()          # flushing runs plain torch code, not recorded
     try:
+        predicted = ctx is not None and ctx.cursor is not None and ctx.cursor.func is not None
+        if predicted and trace.try_replay(ctx, values, reason):
+            return
+        key = trace.replay_key(ctx, values) if predicted else None
         roots: dict[tuple[int, int], tuple[LazyNode, int]] = {}
         for node, k in values:
             r = view_root(node, k)
@@ -317,10 +326,12 @@ def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | N
             by_device.setdefault(r[0].device, []).append(r)
         views = values
         for device, rs in by_device.items():
-            views += _run_graph(rs, device, reason, ctx)
+            views += _run_graph(rs, device, reason, ctx, key if len(by_device) == 1 else None, len(values))
         for node, k in views:
             _replay_views(node, k)
     finally:
+        if ctx is not None:
+            trace.reset(ctx)           # the next ops start a new trace
         push_modes(popped)
 
 
@@ -424,9 +435,11 @@ def _signature(order: list[LazyNode], roots: list[tuple[LazyNode, int]], device:
 
 
 def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: str,
-               ctx: "LazyContext | None") -> list[tuple[LazyNode, int]]:
+               ctx: "LazyContext | None", replay_key: tuple | None = None, n_values: int = 0,
+               ) -> list[tuple[LazyNode, int]]:
     """Compile (or take from the cache) and run the graph computing `roots`; returns the live
-    pending views whose base it computed (to be replayed by the caller)."""
+    pending views whose base it computed (to be replayed by the caller).  With a `replay_key`
+    (see trace.py) the flush is remembered at the block's trie step for replaying."""
     from .context import default_context
     ctx = ctx or default_context()
     t0 = time.perf_counter()
@@ -434,18 +447,16 @@ def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: 
     n_requested = len(roots)
     views = _live_extras(order, roots)
     sig, leaves, codes = _signature(order, roots, device, ctx.token)
+    counters.bump("lazy_signatures")
     entry, hit = cache.lookup(sig, order, codes, sig[4], leaves, device, ctx)
+    if replay_key is not None:
+        trace.remember(ctx, replay_key, entry, order, roots, views, leaves, n_values)
     with torch.no_grad():
         outs = entry.call(leaves)
     if not entry.checked:
         _check_outputs(entry, outs, leaves, roots)
-    for i in entry.copy_outputs:
-        outs[i] = _copy_like(outs[i])
-    for i, fix in entry.fixes:
-        node, k = roots[i]
-        size, stride, _, dtype = node.descs[k]
-        out = outs[i].to(dtype) if fix == "dtype" else outs[i]
-        outs[i] = torch.empty_strided(size, stride, dtype=dtype, device=out.device).copy_(out)
+    del leaves
+    finish_outputs(entry, outs, roots)
     if len(roots) == 1 and len(roots[0][0].descs) == 1:
         publish(roots[0][0], outs)
     else:
@@ -460,6 +471,17 @@ def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: 
                                None if hit else entry.compiled.graph, 1e3 * (time.perf_counter() - t0),
                                tuple([n.func for n in order]), len(roots) - n_requested))
     return views
+
+
+def finish_outputs(entry: "cache.Entry", outs: list[torch.Tensor], roots: list[tuple[LazyNode, int]]) -> None:
+    """Give each output its own memory and eager's dtype and layout (see `_check_outputs`)."""
+    for i in entry.copy_outputs:
+        outs[i] = _copy_like(outs[i])
+    for i, fix in entry.fixes:
+        node, k = roots[i]
+        size, stride, _, dtype = node.descs[k]
+        out = outs[i].to(dtype) if fix == "dtype" else outs[i]
+        outs[i] = torch.empty_strided(size, stride, dtype=dtype, device=out.device).copy_(out)
 
 
 def _check_outputs(entry: "cache.Entry", outs: list[torch.Tensor], leaves: list[torch.Tensor],
