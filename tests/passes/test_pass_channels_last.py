@@ -35,12 +35,12 @@ def test_one_copy_at_the_first_convolution(tf):
 def test_outputs_keep_eagers_strides(tf):
     """A 4-d convolution output and a flatten of one (a view that needs contiguous strides)."""
     torch.manual_seed(0)
-    conv, conv2 = nn.Conv2d(3, 6, 3), nn.Conv2d(6, 4, 1)
+    conv, conv2, conv3 = nn.Conv2d(3, 6, 3), nn.Conv2d(6, 6, 1), nn.Conv2d(6, 4, 1)
     x = tf.rand((2, 3, 10, 7))
 
     def fn(x):
         y = torch.relu(conv(x))
-        z = conv2(y)
+        z = conv3(conv2(y).sigmoid())
         return z * 2, z.view(2, -1) + 1, y[:, :2]
 
     with torch.no_grad():
@@ -58,6 +58,17 @@ def test_channels_last_input_and_training_are_left_alone(tf):
     assert _copies(e) == 0, e.passes
     e = tf.check_grad(lambda x: model.train()(x), x.requires_grad_(), allow_fallbacks=fallbacks | {"aten.copy_.default"},
                       atol=1e-4, rtol=1e-4)
+    assert _copies(e) == 0, e.passes
+
+
+def test_a_block_with_few_convolutions_is_left_alone(tf):
+    """Two convolutions do not pay for copying the input in and the output back."""
+    torch.manual_seed(0)
+    conv, conv2 = nn.Conv2d(3, 6, 3, padding=1), nn.Conv2d(6, 3, 3, padding=1)
+    x = tf.rand((2, 3, 10, 7))
+    with torch.no_grad():
+        e = tf.check(lambda x: conv2(torch.relu(conv(x))) + x, x, check_stride=True,
+                     allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
     assert _copies(e) == 0, e.passes
 
 

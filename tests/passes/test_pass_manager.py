@@ -22,8 +22,8 @@ def _fn(x):
 
 
 def test_registry_names_match_config_pipeline():
-    assert set(REGISTRY) == {"dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "pad_mm", "unfuse_addmm",
-                             "unfuse_conv_bias"}
+    assert set(REGISTRY) == {"dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "channels_last_convs",
+                             "pad_mm", "unfuse_addmm", "unfuse_conv_bias"}
     assert DEFAULT_PIPELINE == Config().passes
     assert all(callable(p) for p in REGISTRY.values())
 

@@ -11,8 +11,9 @@ computed input costs nothing: the lowering writes the producing kernel's output 
 
 Where a node cannot take the new layout (a `view` that needs contiguous strides: a flatten),
 its input is made contiguous again first; a graph output keeps the strides eager gives it.
-Inference graphs only (a training graph's saved activations and gradients would change layout
-across the forward/backward boundary), on the devices of `PassContext.channels_last_devices`.
+Inference graphs with at least MIN_CONVS such convolutions only (a training graph's saved
+activations and gradients would change layout across the forward/backward boundary), on the
+devices of `PassContext.channels_last_devices`.
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ from ._util import alias_input
 from .context import PassContext
 
 aten = torch.ops.aten
+
+# Fewer convolutions than this: left alone.  The copy of a graph input (and of a 4-d output
+# back) is a pass over an activation that a few convolutions do not win back; a CNN has dozens
+# (a single block compiled on its own has 1-2).
+MIN_CONVS = 3
 
 # ops whose result keeps fixed strides that a layout change would make impossible
 _NEEDS_CONTIGUOUS = {aten.view.default, aten._unsafe_view.default}
@@ -51,7 +57,7 @@ def _fake(a: Any, vals: dict[fx.Node, Any]) -> Any:
 
 def channels_last_convs(gm: fx.GraphModule, ctx: PassContext) -> int:
     graph = gm.graph
-    if not ctx.inference or not any(_wants_channels_last(n, ctx) for n in graph.nodes):
+    if not ctx.inference or sum(_wants_channels_last(n, ctx) for n in graph.nodes) < MIN_CONVS:
         return 0
     mode = fake_mode_of(graph)
     new_vals: dict[fx.Node, Any] = {}      # re-derived fake values of the nodes downstream
