@@ -95,3 +95,18 @@ def test_layout_reaches_later_convolutions_through_cat_and_pool(tf):
         e = tf.check(fn, x, allow_fallbacks={"aten.convolution.default", "aten.avg_pool2d.default"},
                      atol=1e-5, rtol=1e-4)
     assert _copies(e) == 1, e.passes
+
+
+def test_explicit_strides_leave_the_graph_alone(tf):
+    """as_strided reads by eager's strides: on a re-laid-out value it would read other elements."""
+    torch.manual_seed(0)
+    convs = [nn.Conv2d(3, 3, 1) for _ in range(3)]
+    x = tf.rand((2, 3, 6, 5))
+
+    def fn(x):
+        y = convs[2](convs[1](convs[0](x)))
+        return torch.as_strided(torch.relu(y), (2, 3, 5), (90, 30, 6)) * 2
+
+    with torch.no_grad():
+        e = tf.check(fn, x, allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
+    assert _copies(e) == 0, e.passes

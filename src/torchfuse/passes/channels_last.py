@@ -36,6 +36,9 @@ MIN_CONVS = 3
 
 # ops whose result keeps fixed strides that a layout change would make impossible
 _NEEDS_CONTIGUOUS = {aten.view.default, aten._unsafe_view.default}
+# ops that address their input by explicit strides: on another layout they would read other
+# elements without failing, so the pass gives up on such a graph
+_EXPLICIT_STRIDES = {aten.as_strided.default, aten.as_strided_scatter.default, aten.as_strided_.default}
 
 
 def _is_plain_nchw(t: Any) -> bool:
@@ -98,6 +101,8 @@ def channels_last_convs(gm: fx.GraphModule, ctx: PassContext) -> int:
             changed = any(isinstance(a, fx.Node) and a in new_vals for a in node.all_input_nodes)
             if not changed:
                 continue
+            if node.target in _EXPLICIT_STRIDES:
+                raise ValueError(f"{node.name} addresses a re-laid-out value by explicit strides")
             if node.target in _NEEDS_CONTIGUOUS:
                 src = node.args[0]
                 if not _fake(src, new_vals).is_contiguous():
