@@ -150,3 +150,25 @@ def test_parameters_made_under_inference_mode():
         torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
         m[1].weight.mul_(2)
         torch.testing.assert_close(compiled(x), m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_broadcast_of_a_parameter_is_not_held():
+    """A parameter-only value much larger than what it reads (a position-bias table added to a
+    per-window mask, broadcast over the windows) is recomputed where it is read; the small
+    table it comes from is what is hoisted."""
+    torch.manual_seed(0)
+    table = nn.Parameter(torch.randn(3, 49, 49))
+    m = nn.Module()
+    m.table = table
+
+    def fn(x):
+        mask = torch.zeros(64, 1, 49, 49)
+        mask[:, :, :20, 30:] = -100.0
+        bias = (m.table * 2).unsqueeze(0) + mask        # [64, 3, 49, 49] from a [3, 49, 49] table
+        return torch.softmax(x + bias, -1)
+
+    x = torch.randn(64, 3, 49, 49)
+    with torch.no_grad():
+        e = torchfuse.explain(fn, x)
+        torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-6)
+    assert e.frozen and f"({3 * 49 * 49} elements)" in e.frozen[0], e.frozen

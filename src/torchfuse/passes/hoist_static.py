@@ -2,7 +2,7 @@
 
 After AOTAutograd, parameters and buffers are graph inputs, so everything computed from them
 alone runs on every call: the folded weight and bias of every conv-bn pair, weight casts under
-autocast, T5's relative-position bias, rotary tables.  Their results change only when a
+autocast, position-bias tables, rotary tables.  Their results change only when a
 parameter does.  This pass cuts such a graph in two:
 
     const_gm(static inputs)             -> the hoisted values (run when a parameter changed)
@@ -17,6 +17,11 @@ as constants, as Inductor's freezing does.
 What is hoisted: the *frontier* of the parameter-only region, i.e. the values some per-call
 node reads, excluding
   * views of a parameter (free to recompute; a hoisted copy would only cost memory),
+  * broadcasts: a value EXPANSION times larger than the storage of the tensors it reads (a
+    Swin window attention's position bias added to its shift mask, [windows, heads, 49, 49]
+    from a [heads, 49, 49] table: 127 MiB held between calls at batch 32); its inputs are
+    hoisted instead and the broadcast is recomputed inside the kernel that reads it (so is a
+    T5 bias gathered from its bucket table into [heads, q, k]),
   * values the graph returns or writes (the caller would see or corrupt the cached tensor),
   * anything random, mutating, with symbolic sizes, or not a plain strided tensor.
 """
@@ -46,6 +51,28 @@ class HoistedValues:
                 f"hoisted out of the per-call path ({self.numel} elements): {shown}")
 
 
+EXPANSION = 2
+_SMALL = 1 << 16      # elements: a value this small is held whatever it is computed from
+
+
+def _storage_numel(val: torch.Tensor) -> int:
+    try:
+        return val.untyped_storage().nbytes() // max(val.element_size(), 1)
+    except Exception:      # (no storage to ask: count its elements)
+        return val.numel()
+
+
+def _broadcasts(node: fx.Node) -> bool:
+    """Whether `node`'s value is much larger than everything it reads: cheap to recompute where
+    it is read, costly to hold."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.numel() < _SMALL:
+        return False
+    reads = [a.meta.get("val") for a in flat_nodes((node.args, node.kwargs))]
+    read = sum(_storage_numel(v) for v in reads if isinstance(v, torch.Tensor))
+    return val.numel() > EXPANSION * read
+
+
 def _is_view_of_source(node: fx.Node, sources: set[fx.Node]) -> bool:
     while node not in sources:
         base = alias_input(node)
@@ -73,7 +100,8 @@ def hoist_static(gm: fx.GraphModule, static_indices: set[int]) -> HoistedValues 
         if node.op == "get_attr":
             region.add(node)
             reads_static.add(node)
-        elif is_foldable(node) and all(a in region for a in flat_nodes((node.args, node.kwargs))):
+        elif is_foldable(node) and all(a in region for a in flat_nodes((node.args, node.kwargs))) \
+                and not _broadcasts(node):
             region.add(node)
             if any(a in reads_static for a in flat_nodes((node.args, node.kwargs))):
                 reads_static.add(node)
