@@ -72,6 +72,15 @@ def _window(lw: GraphLowering, x: TensorValue, kernel: Any, stride: Any, padding
     return k, s, p, d
 
 
+def _inside(h: Node, w: Node, h_size: Node, w_size: Node) -> Node:
+    """0 <= h < h_size and 0 <= w < w_size."""
+    mask = None
+    for c in (op("ge", h, const(0), dtype=torch.bool), op("lt", h, h_size, dtype=torch.bool),
+              op("ge", w, const(0), dtype=torch.bool), op("lt", w, w_size, dtype=torch.bool)):
+        mask = c if mask is None else op("and", mask, c, dtype=torch.bool)
+    return mask
+
+
 def _positions(x: TensorValue, idx: Sequence[Node], k, s, p, d):
     """Every window position of output `idx`: (input index, in-bounds mask or None,
     flat offset ih * W + iw), in ATen's scan order (rows, then columns)."""
@@ -84,12 +93,21 @@ def _positions(x: TensorValue, idx: Sequence[Node], k, s, p, d):
         ih = h0 + kh * d[0]
         for kw in range(k[1]):
             iw = w0 + kw * d[1]
-            mask = None
-            for c in (op("ge", ih, const(0), dtype=torch.bool), op("lt", ih, h_size, dtype=torch.bool),
-                      op("ge", iw, const(0), dtype=torch.bool), op("lt", iw, w_size, dtype=torch.bool)):
-                mask = c if mask is None else op("and", mask, c, dtype=torch.bool)
-            out.append((lead + [ih, iw], mask, ih * w_size + iw))
+            out.append((lead + [ih, iw], _inside(ih, iw, h_size, w_size), ih * w_size + iw))
     return out
+
+
+def _needs_mask(x: TensorValue, out_shape: Sequence[Node], k, s, p, d) -> bool:
+    """False when every window lies inside the input (no padding, no ceil_mode overhang)."""
+    if p != (0, 0):
+        return True
+    for dim, kk, ss, dd in ((-2, k[0], s[0], d[0]), (-1, k[1], s[1], d[1])):
+        n_in, n_out = x.shape[dim], out_shape[dim]
+        if n_in.op != "const" or n_out.op != "const":
+            return True
+        if (n_out.arg - 1) * ss + (kk - 1) * dd >= n_in.arg:
+            return True
+    return False
 
 
 def _max_window(lw: GraphLowering, x, kernel_size, stride, padding, dilation, offsets: bool):
@@ -125,19 +143,6 @@ def _max_window(lw: GraphLowering, x, kernel_size, stride, padding, dilation, of
     values.meta, positions.meta = metas[0], metas[1]
     values.window = positions.window = True
     return values, positions
-
-
-def _needs_mask(x: TensorValue, out_shape: Sequence[Node], k, s, p, d) -> bool:
-    """False when every window lies inside the input (no padding, no ceil_mode overhang)."""
-    if p != (0, 0):
-        return True
-    for dim, kk, ss, dd in ((-2, k[0], s[0], d[0]), (-1, k[1], s[1], d[1])):
-        n_in, n_out = x.shape[dim], out_shape[dim]
-        if n_in.op != "const" or n_out.op != "const":
-            return True
-        if (n_out.arg - 1) * ss + (kk - 1) * dd >= n_in.arg:
-            return True
-    return False
 
 
 @register(aten.max_pool2d_with_indices.default)
@@ -200,10 +205,7 @@ def _max_pool2d_backward(lw: GraphLowering, grad, x, kernel_size, stride, paddin
             oh = top + (-a)
             for b in range(reach_w):
                 ow = left + (-b)
-                mask = None
-                for c in (op("ge", oh, const(0), dtype=torch.bool), op("lt", oh, out_h, dtype=torch.bool),
-                          op("ge", ow, const(0), dtype=torch.bool), op("lt", ow, out_w, dtype=torch.bool)):
-                    mask = c if mask is None else op("and", mask, c, dtype=torch.bool)
+                mask = _inside(oh, ow, out_h, out_w)
                 sub = lead + [oh, ow]
                 chose = op("and", mask, op("eq", masked(indices, sub, mask), here, dtype=torch.bool),
                            dtype=torch.bool)
