@@ -299,3 +299,30 @@ def test_cnn_stem_training_saves_int8_pool_offsets(dtype):
     stem(x).float().square().mean().backward()
     for g, p in zip(grads, params):
         _close(g.float(), p.grad.float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("train", [False, True])
+def test_computed_attention_bias_with_unaligned_rows(dtype, train):
+    """Swin's windowed attention: a position bias added to a shift mask, [windows*batch, heads,
+    49, 49], computed by a kernel and read by the memory-efficient attention kernel, which needs
+    the bias's strides to be multiples of 8 elements ("attn_bias is not correctly aligned")."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    q, k, v = (torch.randn(8, 3, 49, 32, device=dev, dtype=dtype, requires_grad=train) for _ in range(3))
+    position_bias = torch.randn(3, 49, 49, device=dev, dtype=dtype, requires_grad=train)
+    shift_mask = torch.randn(4, 49, 49, device=dev, dtype=dtype)
+
+    def f(q, k, v, position_bias, shift_mask):
+        bias = (position_bias.unsqueeze(0) + shift_mask.unsqueeze(1)).repeat(2, 1, 1, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    compiled = torch.compile(f, backend="torchfuse")
+    out = compiled(q, k, v, position_bias, shift_mask)
+    ref = f(q, k, v, position_bias, shift_mask)
+    _close(out, ref, dtype)
+    if train:
+        grads = torch.autograd.grad(out.float().square().sum(), (q, position_bias))
+        ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, position_bias))
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=5e-2 if dtype != torch.float32 else 1e-3, rtol=5e-2)

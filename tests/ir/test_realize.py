@@ -51,3 +51,46 @@ def test_value_read_in_one_loop_is_recomputed_not_stored():
     torch.testing.assert_close(e.output[0], ref[0])
     torch.testing.assert_close(e.output[1], ref[1])
     assert not any("(add)" in w for k in e.kernels for w in k.writes), [k.writes for k in e.kernels]
+
+
+# -- an attention bias computed by a kernel is written with aligned strides ----------------------
+
+_seen_bias_strides: list[tuple[int, ...]] = []
+
+
+@torch.library.custom_op("torchfuse_test::biased_attention", mutates_args=())
+def _biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    _seen_bias_strides.append(bias.stride())
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+@_biased_attention.register_fake
+def _(q, k, v, bias):
+    return torch.empty_like(q)
+
+
+def _windowed_attention(q, k, v, position_bias, shift_mask):
+    # Swin's pattern: a [heads, L, L] position bias added to a [windows, L, L] shift mask
+    bias = (position_bias.unsqueeze(0) + shift_mask.unsqueeze(1)).repeat(q.shape[0] // shift_mask.shape[0], 1, 1, 1)
+    return torch.ops.torchfuse_test.biased_attention(q, k, v, bias)
+
+
+def test_attention_bias_is_written_with_aligned_strides(monkeypatch):
+    """The CUDA attention kernels refuse a bias whose strides (but the last) are not multiples
+    of 8 elements; a [.., 49, 49] bias computed by a kernel is written padded to 56 per row."""
+    from torchfuse.ir import lowering
+    from torchfuse.ir.lowering import aligned_bias_layout
+    from torchfuse.ir.nodes import const
+    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+                        (3, "bias"))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(8, 3, 49, 16) for _ in range(3))
+    position_bias, shift_mask = torch.randn(3, 49, 49), torch.randn(4, 49, 49)
+    _seen_bias_strides.clear()
+    e = torchfuse.explain(_windowed_attention, q, k, v, position_bias, shift_mask)
+    torch.testing.assert_close(e.output, _windowed_attention(q, k, v, position_bias, shift_mask))
+    assert _seen_bias_strides[0] == (3 * 49 * 56, 49 * 56, 56, 1), _seen_bias_strides
+    assert len(e.kernels) == 1 and len(e.fallbacks) == 1
+    # sizes already aligned keep their dense strides; other widths round up per row
+    assert aligned_bias_layout([const(2), const(4), const(64)]).strides == (const(256), const(64), const(1))
+    assert aligned_bias_layout([const(5), const(3), const(10)]).strides == (const(48), const(16), const(1))

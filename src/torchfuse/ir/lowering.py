@@ -179,6 +179,42 @@ def layout_of(t: torch.Tensor, *, with_offset: bool = False) -> Layout:
 
 _CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
 
+# CUDA attention kernels that read an additive bias, and the bias's argument position. They need
+# every stride of it but the last to be a multiple of 8 elements ("attn_bias is not correctly
+# aligned"); eager's scaled_dot_product_attention pads a mask for them, so a bias a kernel here
+# computes is written into a buffer padded the same way (as Inductor's sdpa_constraint does).
+_ATTENTION_BIAS_ARG = {getattr(aten, name).default: (pos, arg) for name, pos, arg in (
+    ("_scaled_dot_product_efficient_attention", 3, "attn_bias"),
+    ("_scaled_dot_product_efficient_attention_backward", 4, "attn_bias"),
+    ("_scaled_dot_product_cudnn_attention", 3, "attn_bias"),
+    ("_scaled_dot_product_cudnn_attention_backward", 8, "attn_bias"),
+    ("_efficient_attention_forward", 3, "bias"), ("_efficient_attention_backward", 4, "bias"))
+    if hasattr(aten, name)}
+ATTENTION_BIAS_ALIGNMENT = 8
+
+
+def aligned_bias_layout(sizes: Sequence[Node], alignment: int = ATTENTION_BIAS_ALIGNMENT) -> Layout:
+    """Row-major strides for an attention bias, every stride but the last rounded up to a
+    multiple of `alignment` elements (the buffer is padded at the end of each row)."""
+    strides: list[Node] = [const(1)] * len(sizes)
+    acc: Node = const(1)
+    for i in range(len(sizes) - 2, -1, -1):
+        acc = acc * sizes[i + 1]
+        if not (acc.op == "const" and acc.arg % alignment == 0):
+            acc = (acc + (alignment - 1)) // alignment * alignment
+        strides[i] = acc
+    return Layout(tuple(sizes), tuple(strides))
+
+
+def _aligned(layout: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
+    """Whether every stride but the last is a known multiple of `alignment`, the last 1, the
+    offset too (a size-1 dim's stride does not matter)."""
+    dims = list(zip(layout.sizes, layout.strides))
+    if not dims or dims[-1][1] != const(1) and dims[-1][0] != const(1):
+        return False
+    return all(sz == const(1) or (st.op == "const" and st.arg % alignment == 0)
+               for sz, st in dims[:-1] + [(const(2), layout.offset)])
+
 # Ops whose result is smaller than what they read: each runs as a kernel of its own loop, apart
 # from the elementwise readers of the same value.
 _REDUCTIONS = frozenset({
@@ -493,6 +529,24 @@ class GraphLowering:
                 n, c, h, w = a.shape
                 self.stored(a, Layout(a.shape, (h * w * c, const(1), w * c, c)))
 
+    def _realize_attention_bias(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A computed attention bias is written with aligned strides (`aligned_bias_layout`): a
+        contiguous [windows, heads, 49, 49] bias has a batch stride of 7203 elements, which the
+        CUDA kernels refuse."""
+        pos, name = _ATTENTION_BIAS_ARG[node.target]
+        bias = args[pos] if pos < len(args) else kwargs.get(name)
+        if not isinstance(bias, TensorValue) or bias.ndim < 2:
+            return args, kwargs
+        layout = aligned_bias_layout(bias.shape)
+        stored = self.stored(bias, layout)
+        known = all(st.op == "const" for st in stored.layout.strides + (stored.layout.offset,))
+        if stored.layout.strides != layout.strides and known and not _aligned(stored.layout):
+            # realized earlier for another reader, or a dense input: an aligned copy
+            stored = self.realize(stored, layout=layout)
+        if pos < len(args):
+            return args[:pos] + (stored,) + args[pos + 1:], kwargs
+        return args, {**kwargs, name: stored}
+
     def _node_order(self) -> dict[fx.Node, int]:
         if self._order is None:
             self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
@@ -532,6 +586,8 @@ class GraphLowering:
         args, kwargs = self._args(node)
         if node.target in _CONVOLUTIONS:
             self._realize_channels_last(node, args)
+        if node.target in _ATTENTION_BIAS_ARG:
+            args, kwargs = self._realize_attention_bias(node, args, kwargs)
 
         def to_ref(a: Any) -> Any:
             if isinstance(a, TensorValue):
