@@ -20,7 +20,8 @@ def _run(gm, ctx=CPU) -> int:
 
 @pytest.mark.parametrize("case,changed", [
     ("gelu", 1), ("residual_through_view", 1), ("beta_alpha", 1), ("beta_zero_nan_bias", 1),
-    ("gates_through_chunk", 1), ("output", 0), ("into_mm", 0), ("chunk_into_mm", 0), ("mixed_uses", 0)])
+    ("gates_through_chunk", 1), ("into_softmax", 1), ("relu_and_sum", 1), ("output", 0), ("into_mm", 0),
+    ("chunk_into_mm", 0), ("mixed_uses", 0)])
 def test_unfuse_addmm(case, changed):
     a, w, b, r = torch.randn(6, 5), torch.randn(7, 5), torch.randn(7), torch.randn(2, 3, 7)
     fns = {
@@ -33,7 +34,9 @@ def test_unfuse_addmm(case, changed):
         "output": lambda a, w, b, r: torch.addmm(b, a, w.t()),
         "chunk_into_mm": lambda a, w, b, r: torch.addmm(b[:6], a, w[:6].t()).chunk(2, 1)[1] @ w[:3],
         "into_mm": lambda a, w, b, r: torch.addmm(b, a, w.t()) @ w,
-        "mixed_uses": lambda a, w, b, r: (lambda y: (y.relu(), y.sum()))(torch.addmm(b, a, w.t())),
+        "into_softmax": lambda a, w, b, r: torch.softmax(torch.addmm(b, a, w.t()), -1),
+        "relu_and_sum": lambda a, w, b, r: (lambda y: (y.relu(), y.sum()))(torch.addmm(b, a, w.t())),
+        "mixed_uses": lambda a, w, b, r: (lambda y: (y.relu(), y @ w))(torch.addmm(b, a, w.t())),
     }
     fn = fns[case]
     gm = trace(fn, a, w, b, r)
@@ -62,7 +65,7 @@ def _run_conv(gm, ctx=CPU) -> int:
 
 @pytest.mark.parametrize("case,changed", [
     ("conv2d_relu", 1), ("conv1d_residual", 1), ("conv3d_sigmoid", 1), ("transposed_relu", 1),
-    ("channels_last_relu", 1), ("no_bias", 0), ("output", 0), ("into_conv", 0)])
+    ("channels_last_relu", 1), ("permuted_layer_norm", 1), ("no_bias", 0), ("output", 0), ("into_conv", 0)])
 def test_unfuse_conv_bias(case, changed):
     x2, w2, b = torch.randn(2, 3, 9, 7), torch.randn(5, 3, 3, 3), torch.randn(5)
     w_next = torch.randn(2, 5, 1, 1)
@@ -76,6 +79,8 @@ def test_unfuse_conv_bias(case, changed):
                             (torch.randn(2, 5, 4, 3), torch.randn(5, 3, 3, 3), torch.randn(3))),
         "channels_last_relu": (lambda x, w, b: F.conv2d(x, w, b).relu(),
                                (x2.to(memory_format=torch.channels_last), w2.to(memory_format=torch.channels_last), b)),
+        "permuted_layer_norm": (lambda x, w, b: F.layer_norm(F.conv2d(x, w, b, padding=1).permute(0, 2, 3, 1), (5,)),
+                                (x2, w2, b)),
         "no_bias": (lambda x, w, b: F.conv2d(x, w).relu() + b.view(-1, 1, 1), (x2, w2, b)),
         "output": (lambda x, w, b: F.conv2d(x, w, b), (x2, w2, b)),
         "into_conv": (lambda x, w, b, w_next: F.conv2d(F.conv2d(x, w, b), w_next), (x2, w2, b, w_next)),
@@ -108,3 +113,14 @@ def test_conv_bias_fuses_into_the_consumer_kernel(tf, dtype):
     tf.check(lambda x, w, b, r: (F.conv2d(x, w, b, padding=1) + r).relu(), x, w, b, r,
              options={"cublas_devices": ("cpu",)}, allow_fallbacks=("aten.convolution.default",), kernels=1,
              atol=tol, rtol=tol)
+
+
+def test_conv_bias_fuses_into_a_layer_norm(tf):
+    """ConvNeXt's block: a depthwise convolution with a bias, permuted to channels-last and
+    layer-normalized. The bias add goes into the normalization's kernel (ATen would add it in a
+    kernel of its own on CUDA); one kernel after the convolution."""
+    x, w, b = tf.rand((2, 8, 9, 7)), tf.rand((8, 1, 7, 7)), tf.rand((8,))
+    g, beta = tf.rand((8,)), tf.rand((8,))
+    tf.check(lambda x, w, b, g, beta: F.layer_norm(F.conv2d(x, w, b, padding=3, groups=8).permute(0, 2, 3, 1), (8,), g, beta),
+             x, w, b, g, beta, options={"cublas_devices": ("cpu",)}, allow_fallbacks=("aten.convolution.default",),
+             kernels=1, atol=1e-4, rtol=1e-4)

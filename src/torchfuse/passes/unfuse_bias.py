@@ -3,7 +3,7 @@
     addmm(bias, a, b)          ->  mm(a, b) + bias                   (pass `unfuse_addmm`)
     convolution(x, w, bias)    ->  convolution(x, w, None) + bias    (pass `unfuse_conv_bias`)
 
-each only when every use of the result is pointwise.  Matmul and convolution stay in
+each only when every use of the result is pointwise or a reduction.  Matmul and convolution stay in
 cuBLAS/cuDNN, and the scheduler fuses the pointwise consumers of their output (GELU, the
 residual add before a layer norm, a batch norm + ReLU) into one kernel; the bias add then costs
 nothing there, since that kernel reads the product anyway.
@@ -14,8 +14,9 @@ nothing there, since that kernel reads the product anyway.
   more read and write of the activation, one more launch), which the consumer kernel gets free.
 
 Only on the devices in `ctx.cublas_devices` (CPU BLAS and oneDNN fuse their bias themselves),
-only for floating dtypes, and only when all uses, looking through views, are pointwise ops: an
-addmm feeding another matmul, attention, or a graph output keeps its bias epilogue.
+only for floating dtypes, and only when all uses, looking through views, are pointwise ops or
+reductions (a layer norm's statistics): an addmm feeding another matmul, attention, or a graph
+output keeps its bias epilogue.
 """
 from __future__ import annotations
 
@@ -36,7 +37,18 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
           aten.unbind.int, operator.getitem}
 
 
+# reductions the lowering computes in a kernel of its own, which reads its input through any
+# pointwise producer: a layer norm's statistics over a convolution's output (ConvNeXt's depthwise
+# convolution, permuted, then normalized) take the bias add into the same loads
+_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
+               aten.amin.default, aten.var.correction, aten.var_mean.correction, aten.std.correction,
+               aten._softmax.default, aten._log_softmax.default, torch.ops.prims.sum.default,
+               torch.ops.prims.var.default, aten.native_layer_norm.default}
+
+
 def _pointwise_uses_only(node: fx.Node) -> bool:
+    """Whether every use of `node`, looking through views, is a pointwise op or a reduction, so
+    a bias add on it fuses into each reading kernel."""
     if not node.users:
         return False
     for use in node.users:
@@ -45,7 +57,8 @@ def _pointwise_uses_only(node: fx.Node) -> bool:
         if use.target in _VIEWS:
             if not _pointwise_uses_only(use):
                 return False
-        elif not (isinstance(use.target, torch._ops.OpOverload) and torch.Tag.pointwise in use.target.tags):
+        elif use.target not in _REDUCTIONS and \
+                not (isinstance(use.target, torch._ops.OpOverload) and torch.Tag.pointwise in use.target.tags):
             return False
     return True
 
