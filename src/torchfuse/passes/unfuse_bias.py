@@ -57,6 +57,10 @@ def _pointwise_uses_only(node: fx.Node) -> bool:
         if use.target in _VIEWS:
             if not _pointwise_uses_only(use):
                 return False
+        elif use.target is aten._to_copy.default:
+            # a dtype conversion (bf16 upcast before a layer norm's statistics), not a device move
+            if "device" in use.kwargs and use.kwargs["device"] != getattr(val_of(node), "device", None):
+                return False
         elif use.target not in _REDUCTIONS and \
                 not (isinstance(use.target, torch._ops.OpOverload) and torch.Tag.pointwise in use.target.tags):
             return False
