@@ -12,7 +12,7 @@ from _passes_helpers import assert_same, count, trace
 from torchfuse.passes import PassContext, run_passes
 
 aten = torch.ops.aten
-CPU = PassContext(cublas_devices=("cpu",))
+CPU = PassContext(cublas_devices=("cpu",), fp32_matmul_tf32=True)
 
 
 def _pad(gm) -> int:
@@ -56,7 +56,25 @@ def test_pad_mm_leaves_aligned_small_and_other_devices_alone():
     assert sum(r.changes for r in run_passes(gm, ("pad_mm",), PassContext())) == 0   # CUDA only by default
 
 
-def test_pad_mm_end_to_end_through_torchfuse(tf):
+@pytest.fixture
+def tf32_matmuls():
+    """fp32 products allowed on TF32 tensor cores while the test compiles (pad_mm pads them then)."""
+    matmul = torch.backends.cuda.matmul
+    before, matmul.fp32_precision = matmul.fp32_precision, "tf32"
+    yield
+    matmul.fp32_precision = before
+
+
+def test_pad_mm_leaves_fp32_alone_without_tf32():
+    """fp32 products without TF32 run on CUDA cores, as fast unaligned: no copies; bf16 still padded."""
+    no_tf32 = PassContext(cublas_devices=("cpu",), fp32_matmul_tf32=False)
+    for dtype, expected in ((torch.float32, 0), (torch.bfloat16, 1)):
+        a, w = torch.randn(301, 255, dtype=dtype), torch.randn(1021, 255, dtype=dtype)
+        gm = trace(lambda a, w: a @ w.t(), a, w)
+        assert sum(r.changes for r in run_passes(gm, ("pad_mm",), no_tf32)) == expected, dtype
+
+
+def test_pad_mm_end_to_end_through_torchfuse(tf, tf32_matmuls):
     """Through the whole pipeline (the pad is a generated kernel, the product a strided view; the
     bias then moves through the slice into the ReLU's kernel: unfuse_addmm)."""
     a, w, b = tf.rand((67, 255)), tf.rand((1021, 255)), tf.rand((1021,))
@@ -77,7 +95,7 @@ def test_pad_mm_keeps_a_transposed_weight_transposed():
 
 
 @pytest.mark.parametrize("case", ["linear_3d", "merge_sliced_dim", "layer_norm_then_linear"])
-def test_pad_mm_views_of_the_padded_product(tf, case):
+def test_pad_mm_views_of_the_padded_product(tf, case, tf32_matmuls):
     """The product is a column slice of a wider buffer after padding: views downstream must take
     that layout (F.linear on 3-D input views the product back to 3-D), or read a contiguous copy
     when they cannot (a view merging the sliced dim)."""

@@ -22,6 +22,12 @@ class PassContext:
     """Device types whose inference convolutions read channels-last activations
     (`channels_last_convs`)."""
 
+    fp32_matmul_tf32: bool = False
+    """Whether cuBLAS may run fp32 products on TF32 tensor cores (the user's
+    `torch.backends.cuda.matmul.fp32_precision`, read when the graph is compiled; off by default).
+    Without them fp32 products run on CUDA cores, whose speed does not depend on alignment, and
+    `pad_mm` leaves them alone."""
+
 
 @dataclass
 class PassRecord:

@@ -97,7 +97,8 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     passes = [p for p in config.passes if p != "conv_bn_fold" or device in config.conv_bn_fold_devices]
     with counters.timed("passes"):
         records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices,
-                                                      channels_last_devices=config.channels_last_devices))
+                                                      channels_last_devices=config.channels_last_devices,
+                                                      fp32_matmul_tf32=_fp32_matmul_tf32()))
     after = gm.print_readable(print_output=False) if readable else ""
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
     if report is not None:
@@ -427,3 +428,11 @@ def _set_argtypes(fn: Any, args: tuple[list[str], list[str]]) -> None:
     bufs, syms = args
     fn.argtypes = [ctypes.c_void_p] * len(bufs) + [ctypes.c_int64] * len(syms)
     fn.restype = None
+
+
+def _fp32_matmul_tf32() -> bool:
+    """Whether cuBLAS may use TF32 for fp32 products (torch >= 2.9 reports both of its APIs here)."""
+    try:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    except (AttributeError, RuntimeError):
+        return True        # unknown: treat products as tensor-core ones (pad_mm pads, as it did)
