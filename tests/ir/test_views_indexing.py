@@ -335,23 +335,29 @@ def test_negative_slice_start_on_symbolic_size(tf):
     tf.check_dynamic(fn, [(torch.randn(3, n), torch.randn(3, 4)) for n in (5, 9, 17)])
 
 
-def test_cat_of_many_parts_runs_through_aten(tf):
-    """More than 32 parts (an RNN's stacked hidden states): ATen's cat copies them in one pass
-    instead of a kernel testing every part's range per element; up to 32 stay fused."""
-    xs = [tf.rand((3, 5)) for _ in range(40)]
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_cat_of_many_parts_runs_through_aten(tf, backend):
+    """More parts than the backend fuses (an RNN's stacked hidden states; 4 for C++, whose vector
+    loop issues every part's load, 32 for Triton): ATen's cat copies them in one pass instead of
+    a kernel testing every part's range per element; up to the limit they stay fused."""
+    from torchfuse.ir.lower_views import CAT_MAX_FUSED_PARTS, CAT_MAX_FUSED_PARTS_CPP
+    limit = CAT_MAX_FUSED_PARTS_CPP if backend == "cpp" else CAT_MAX_FUSED_PARTS
+    opts = {"cpu_backend": backend}
+    xs = [tf.rand((3, 5)) for _ in range(limit + 1)]
     e = tf.check(lambda *xs: torch.stack([x * (k + 1) for k, x in enumerate(xs)], 1) * 2, *xs, min_kernels=1,
-                 allow_fallbacks={"aten.cat.default"})
+                 allow_fallbacks={"aten.cat.default"}, options=opts)
     assert [f.op for f in e.fallbacks] == ["aten.cat.default"]
-    e = tf.check(lambda *xs: torch.stack([x * (k + 1) for k, x in enumerate(xs[:32])], 1), *xs, kernels=1)
+    e = tf.check(lambda *xs: torch.stack([x * (k + 1) for k, x in enumerate(xs[:limit])], 1), *xs, kernels=1,
+                 options=opts)
     assert not e.fallbacks
-    tf.check(lambda *xs: torch.cat(xs[:32], 0).exp(), *xs, kernels=1)
+    tf.check(lambda *xs: torch.cat(xs[:limit], 0).exp(), *xs, kernels=1, options=opts)
 
 
 def test_cat_stores_an_expensive_part_first(tf):
     """Each element of a fused cat evaluates every part's expression: past a budget, an
     expensive part (an RNN's last cell next to the stored states before it) is computed once
     into a buffer, and the cat kernel only loads it."""
-    xs = [tf.rand((3, 5)) for _ in range(8)]
+    xs = [tf.rand((3, 5)) for _ in range(4)]
 
     def fn(*xs):
         last = torch.sigmoid(xs[-1]) * torch.tanh(xs[-1] * 2) + torch.sigmoid(xs[-1] + 1) * torch.tanh(xs[-1])
