@@ -234,7 +234,7 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
     against a [1024 channels] x [N*14*14] sum), and that member then reads and writes every
     element uncoalesced: a ResNet-50 backward spent 4.5 ms of 28 in two such kernels."""
     if candidate.kind != "reduction" and member.role != "reduce":
-        return ""
+        return _pointwise_keeps_contiguity(candidate, member)
     # a member that reads what the kernel reads or writes shares data with it: reading one
     # layout and writing another is then the computation itself (a softmax over a transposed
     # view), and one kernel still moves the fewest bytes
@@ -248,6 +248,26 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
         return (f"{member.buffer.name} is contiguous along loops {sorted(mine)}, the kernel's members along "
                 f"{sorted(theirs)}: one of them would be read and written uncoalesced")
     return ""
+
+
+def _pointwise_keeps_contiguity(candidate: Kernel, member: Member) -> str:
+    """Empty, or why a pointwise kernel's loop order cannot serve `member` too: its store is
+    contiguous along loops the members' stores are not, and it shares no element with them (it
+    reads nothing they write, and no load of theirs at the same index), so fusing saves no byte
+    and one of the two walks its memory with a stride.  A Llama MLP's backward wrote the SiLU
+    gradient once by rows and, for the weight gradient's transposed operand, twice by columns,
+    in one kernel: 0.30 ms per call on 2 CPU cores, where separate kernels vectorize."""
+    mine = _unit_vars(member.store)
+    theirs = set().union(*(_unit_vars(m.store) for m in candidate.members))
+    if not mine or not theirs or mine & theirs:
+        return ""
+    written = {m.buffer.name for m in candidate.members}
+    theirs_loads = {(ld.arg, ld.args[0]) for m in candidate.members for ld in loads(m.body)}
+    for ld in loads(member.body):
+        if ld.arg in written or (ld.arg, ld.args[0]) in theirs_loads:
+            return ""
+    return (f"{member.buffer.name} is written contiguously along loops {sorted(mine)}, the kernel's members "
+            f"along {sorted(theirs)}, and they share no element: one would be walked with a stride")
 
 
 def _try_join(kernel: Kernel, step: ComputedBuffer) -> tuple[Kernel | None, str]:
