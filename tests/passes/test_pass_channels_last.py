@@ -1,6 +1,7 @@
 """channels_last_convs (src/torchfuse/passes/channels_last.py): an inference graph's
 convolutions read channels-last activations, one copy at the first convolution, the layout
-carried through the ops between, outputs with eager's strides."""
+carried through the ops between, outputs with eager's strides; a k x k weight is copied to
+channels-last too (1 x 1 and depthwise weights already are), once per call's parameters."""
 from __future__ import annotations
 
 import re
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 
 def _copies(e) -> int:
-    """channels-last copies the pass inserted, over all graphs."""
+    """channels-last copies the pass inserted (activations and k x k weights), over all graphs."""
     return sum(int(re.search(r"\((\d+) changes\)", p).group(1)) for p in e.passes if "channels_last_convs" in p)
 
 
@@ -29,7 +30,7 @@ def test_one_copy_at_the_first_convolution(tf):
     with torch.no_grad():
         e = tf.check(model, x, allow_fallbacks={"aten.convolution.default", "aten.addmm.default",
                                                 "aten.max_pool2d_with_indices.default"})
-    assert _copies(e) == 1, e.passes
+    assert _copies(e) == 2, e.passes      # the input, the first (3 x 3, batch-norm folded) weight
 
 
 def test_outputs_keep_eagers_strides(tf):
@@ -45,7 +46,7 @@ def test_outputs_keep_eagers_strides(tf):
 
     with torch.no_grad():
         e = tf.check(fn, x, check_stride=True, allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
-    assert _copies(e) == 1, e.passes
+    assert _copies(e) == 2, e.passes      # the input, conv's 3 x 3 weight
 
 
 def test_channels_last_input_and_training_are_left_alone(tf):
@@ -94,7 +95,7 @@ def test_layout_reaches_later_convolutions_through_cat_and_pool(tf):
     with torch.no_grad():
         e = tf.check(fn, x, allow_fallbacks={"aten.convolution.default", "aten.avg_pool2d.default"},
                      atol=1e-5, rtol=1e-4)
-    assert _copies(e) == 1, e.passes
+    assert _copies(e) == 2, e.passes      # the input (shared by both branches), b's 3 x 3 weight
 
 
 def test_explicit_strides_leave_the_graph_alone(tf):
@@ -110,3 +111,15 @@ def test_explicit_strides_leave_the_graph_alone(tf):
     with torch.no_grad():
         e = tf.check(fn, x, allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
     assert _copies(e) == 0, e.passes
+
+
+def test_weight_copies_are_hoisted_out_of_the_call(tf):
+    """A parameter's channels-last copy is made once: the call itself copies only the input
+    (ATen would otherwise copy every NCHW weight to the input's layout in every call)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())]).eval()
+    x = tf.rand((2, 8, 12, 10))
+    with torch.no_grad():
+        e = tf.check(model, x, allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
+    assert _copies(e) == 4, e.passes       # the input and three weights
+    assert any("clone" in f for f in e.frozen), e.frozen
