@@ -206,14 +206,16 @@ def aligned_bias_layout(sizes: Sequence[Node], alignment: int = ATTENTION_BIAS_A
     return Layout(tuple(sizes), tuple(strides))
 
 
-def _aligned(layout: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
-    """Whether every stride but the last is a known multiple of `alignment`, the last 1, the
-    offset too (a size-1 dim's stride does not matter)."""
-    dims = list(zip(layout.sizes, layout.strides))
-    if not dims or dims[-1][1] != const(1) and dims[-1][0] != const(1):
+def _misaligned(layout: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
+    """Whether `layout` is known (constant strides and offset) to break the attention kernels'
+    rule: the last stride 1, every other stride and the offset multiples of `alignment` (a
+    size-1 dim's stride does not matter).  Symbolic layouts are given the benefit of the doubt."""
+    if not all(n.op == "const" for n in layout.strides + (layout.offset,)):
         return False
-    return all(sz == const(1) or (st.op == "const" and st.arg % alignment == 0)
-               for sz, st in dims[:-1] + [(const(2), layout.offset)])
+    *rows, (last_size, last_stride) = zip(layout.sizes, layout.strides)
+    return (last_stride != const(1) and last_size != const(1)) or layout.offset.arg % alignment != 0 \
+        or any(size != const(1) and stride.arg % alignment != 0 for size, stride in rows)
+
 
 # Ops whose result is smaller than what they read: each runs as a kernel of its own loop, apart
 # from the elementwise readers of the same value.
@@ -539,8 +541,7 @@ class GraphLowering:
             return args, kwargs
         layout = aligned_bias_layout(bias.shape)
         stored = self.stored(bias, layout)
-        known = all(st.op == "const" for st in stored.layout.strides + (stored.layout.offset,))
-        if stored.layout.strides != layout.strides and known and not _aligned(stored.layout):
+        if stored.layout.strides != layout.strides and _misaligned(stored.layout):
             # realized earlier for another reader, or a dense input: an aligned copy
             stored = self.realize(stored, layout=layout)
         if pos < len(args):

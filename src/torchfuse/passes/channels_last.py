@@ -5,9 +5,10 @@ oneDNN's convolutions are 10-35% faster on channels-last (NHWC) activations than
 of all the depthwise and grouped ones, and a model's user rarely converts their input.  So,
 as Inductor's layout optimization does: each convolution whose input is not channels-last
 reads a channels-last copy of it, and of its weight (a parameter's copy is made once, by
-`hoist_static`, and held between calls: one more copy of the k x k weights in memory).  The convolution's output is then channels-last, and so is
-everything computed from it elementwise (ATen's layout propagation), which this pass re-derives
-node by node on the fake values; the next convolutions then need no copy.  The copy of a
+`hoist_static`, and held between calls: one more copy of the k x k weights in memory).  The
+convolution's output is then channels-last, and so is everything computed from it elementwise
+(ATen's layout propagation), which this pass re-derives node by node on the fake values; the
+next convolutions then need no copy.  The copy of a
 computed input costs nothing: the lowering writes the producing kernel's output in that layout.
 
 Where a node cannot take the new layout (a `view` that needs contiguous strides: a flatten),

@@ -227,45 +227,34 @@ def _contiguous_along(member: Member) -> set[str]:
 
 
 def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
-    """Empty, or why a reduction kernel's loops cannot serve `member`, which shares no data with
-    it, and the others at once.  A reduction fixes which loop is fast (along rows for a column
-    sum, along the row for a row sum); two buffers of equal size but different layouts tile each other only with the
-    contiguous dim of one split across rows and reduced dims (a channels-last [N, 256, 28, 28]
-    against a [1024 channels] x [N*14*14] sum), and that member then reads and writes every
-    element uncoalesced: a ResNet-50 backward spent 4.5 ms of 28 in two such kernels."""
-    if candidate.kind != "reduction" and member.role != "reduce":
-        return _pointwise_keeps_contiguity(candidate, member)
-    # a member that reads what the kernel reads or writes shares data with it: reading one
-    # layout and writing another is then the computation itself (a softmax over a transposed
-    # view), and one kernel still moves the fewest bytes
-    touched = {m.buffer.name for m in candidate.members}
-    touched.update(ld.arg for m in candidate.members for ld in loads(m.body))
-    if any(ld.arg in touched for ld in loads(member.body)):
-        return ""
+    """Empty, or why the kernel's loops cannot serve `member` and its members at once: their
+    memory is contiguous along different loops, so one of them would be walked with a stride,
+    and `member` shares no data with them, so one kernel would save no byte.
+    - A reduction fixes which loop is fast (along rows for a column sum, along the row for a row
+      sum); two buffers of equal size but different layouts tile each other only with the
+      contiguous dim of one split across rows and reduced dims (a channels-last [N, 256, 28, 28]
+      against a [1024 channels] x [N*14*14] sum): a ResNet-50 backward spent 4.5 ms of 28 in two
+      such kernels.  Sharing is reading any buffer the kernel reads or writes: reading one layout
+      and writing another is then the computation itself (a softmax over a transposed view).
+    - A pointwise kernel walks all its stores in one order: a Llama MLP's backward wrote the SiLU
+      gradient once by rows and, for the weight gradient's transposed operand, twice by columns,
+      in one kernel (0.30 ms per call on 2 CPU cores, where separate kernels vectorize).  Sharing
+      is reading what the kernel writes, or an element one of its members loads."""
     mine = _contiguous_along(member)
     theirs = set().union(*(_contiguous_along(m) for m in candidate.members))
-    if mine and theirs and not mine & theirs:
-        return (f"{member.buffer.name} is contiguous along loops {sorted(mine)}, the kernel's members along "
-                f"{sorted(theirs)}: one of them would be read and written uncoalesced")
-    return ""
-
-
-def _pointwise_keeps_contiguity(candidate: Kernel, member: Member) -> str:
-    """Empty, or why a pointwise kernel's loop order cannot serve `member` too: its store is
-    contiguous along loops the members' stores are not, and it shares no element with them (it
-    reads nothing they write, and no load of theirs at the same index), so fusing saves no byte
-    and one of the two walks its memory with a stride.  A Llama MLP's backward wrote the SiLU
-    gradient once by rows and, for the weight gradient's transposed operand, twice by columns,
-    in one kernel: 0.30 ms per call on 2 CPU cores, where separate kernels vectorize."""
-    mine = _unit_vars(member.store)
-    theirs = set().union(*(_unit_vars(m.store) for m in candidate.members))
     if not mine or not theirs or mine & theirs:
         return ""
     written = {m.buffer.name for m in candidate.members}
-    theirs_loads = {(ld.arg, ld.args[0]) for m in candidate.members for ld in loads(m.body)}
-    for ld in loads(member.body):
-        if ld.arg in written or (ld.arg, ld.args[0]) in theirs_loads:
+    their_loads = [ld for m in candidate.members for ld in loads(m.body)]
+    if candidate.kind == "reduction" or member.role == "reduce":
+        shared = written | {ld.arg for ld in their_loads}
+        if any(ld.arg in shared for ld in loads(member.body)):
             return ""
+        return (f"{member.buffer.name} is contiguous along loops {sorted(mine)}, the kernel's members along "
+                f"{sorted(theirs)}: one of them would be read and written uncoalesced")
+    same = {(ld.arg, ld.args[0]) for ld in their_loads}
+    if any(ld.arg in written or (ld.arg, ld.args[0]) in same for ld in loads(member.body)):
+        return ""
     return (f"{member.buffer.name} is written contiguously along loops {sorted(mine)}, the kernel's members "
             f"along {sorted(theirs)}, and they share no element: one would be walked with a stride")
 
