@@ -132,11 +132,13 @@ def test_floordiv_mod_split_with_known_ranges():
     assert floordiv(j, 4, R(j=4)) == const(0)
 
 
-def test_floordiv_mod_unknown_range_is_kept():
-    """Without a bound on j, i*4 + j cannot be split."""
+def test_floordiv_mod_unknown_range_splits_off_multiples():
+    """Without a bound on j, (i*4 + j) // 4 is i + j // 4 and (i*4 + j) % 4 is j % 4 (both
+    parts non-negative, so C's truncating / and % agree); neither folds further."""
     e = add(mul(i, 4), j)
-    assert floordiv(e, 4).op == "floordiv"
-    assert mod(e, 4).op == "mod"
+    assert floordiv(e, 4) == add(i, floordiv(j, 4))
+    assert mod(e, 4) == mod(j, 4)
+    assert floordiv(add(add(mul(i, 4), j), const(-1)), 4).op == "floordiv"    # a negative part: kept
     assert_equiv(floordiv(e, 4), lambda v: (v["i"] * 4 + v["j"]) // 4, {"i": 3, "j": 9})
     assert_equiv(mod(e, 4), lambda v: (v["i"] * 4 + v["j"]) % 4, {"i": 3, "j": 9})
 
@@ -243,7 +245,7 @@ def test_upper_bound_and_interval():
 
 def test_substitute_resimplifies():
     e = floordiv(add(mul(i, 4), j), 4)
-    assert e.op == "floordiv"                                        # unknown j
+    assert e == add(i, floordiv(j, 4))                               # unknown j
     assert substitute(e, {j: const(3)}) == i
     assert substitute(mod(add(mul(i, 4), j), 4), {j: mod(k, 4)}) == mod(k, 4)
 

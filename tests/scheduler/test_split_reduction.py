@@ -204,7 +204,7 @@ def test_split_factor():
 # ----------------------------------------------------------------------------------------------
 
 GPU_LIKE = SplitParams(target=64, min_chunk=256, min_numel=4096, gather_chunk=64, gather_min_numel=1024,
-                       column_tile=32)
+                       column_tile=32, column_chunk=64, column_fewest=4)
 
 
 @pytest.fixture

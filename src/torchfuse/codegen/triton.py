@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ..ir.nodes import INDEX, Node, free_syms, load, loads, to_text, walk
-from ..scheduler.loops import LoopPlan, _stride_of, step_of
+from ..scheduler.loops import LoopPlan, _stride_of, rows_contiguous
 from .common import ExprEmitter
 
 TL = {
@@ -454,21 +454,6 @@ def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
                 return None
             return yd, xd
     return None
-
-
-def rows_contiguous(plan: LoopPlan) -> bool:
-    """True for a reduction whose input is contiguous across rows, not along them (column sums:
-    x.sum(0), the partial kernel of a split column sum): a [XBLOCK, RBLOCK] tile with several
-    rows then reads whole sectors, where one row per program reads one element per sector."""
-    if plan.kernel.kind != "reduction" or not plan.outer or not plan.inner:
-        return False
-    last_x, last_y = f"x{len(plan.outer) - 1}", f"y{len(plan.inner) - 1}"
-    for m in plan.members:
-        if m.role == "reduce":
-            for ld in loads(m.body):
-                if step_of(ld.args[0], last_y) not in (0, 1) and step_of(ld.args[0], last_x) == 1:
-                    return True
-    return False
 
 
 def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> None:

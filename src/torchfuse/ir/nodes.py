@@ -365,6 +365,10 @@ def floordiv(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None
         rest_node = _build(rest)
         if _provably_below(rest_node, d, ranges):
             return _build(divisible)
+        if divisible and rest and _sum_nonneg(divisible) and _sum_nonneg(rest):
+            # (d*q + r) // d = q + r // d for non-negative q and r (C's / truncates): a split
+            # reduction's chunk index (x0*3136 + y0) // 28 becomes x0*112 + y0 // 28
+            return add(_build(divisible), floordiv(rest_node, d, ranges))
     if a.op == "floordiv" and d.op == "const" and a.args[1].op == "const":
         return floordiv(a.args[0], a.args[1].arg * d.arg, ranges)
     part = _split_by_step(a, d, ranges)

@@ -25,7 +25,7 @@ from ..ir.buffers import Unsupported
 from ..ir.lowering import lower_graph
 from ..passes import PassContext, run_passes
 from ..scheduler.fusion import buffer_readers, schedule
-from ..scheduler.loops import plan_loops
+from ..scheduler.loops import plan_loops, rows_contiguous
 from ..scheduler.naming import name_kernels
 from ..scheduler.split import SplitParams, split_reductions
 
@@ -198,7 +198,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                 else:
                     helper, variants = "_launch_reduction", [f"{kernel.name}_persistent", f"{kernel.name}_looped"]
                     sizes = [xnumel, py_index(_product(plan.inner)), big]
-                    kw = {"xfast": True} if tgen.rows_contiguous(plan) else {}
+                    kw = {"xfast": True} if rows_contiguous(plan) else {}
                     if not kw and _always_persistent(plan):
                         # values the row's later loops read back stay in registers: no buffer
                         register_only |= plan.carried
@@ -319,7 +319,9 @@ def _split_params(program, config: Config) -> SplitParams:
     device = program_device(program)
     if device == "cuda" and not torch.cuda.is_available():
         device = "cpu"
-    return SplitParams.for_device(device, config.num_threads or torch.get_num_threads(), config.split_min_chunk)
+    backend = "triton" if device == "cuda" else config.cpu_backend
+    return SplitParams.for_device(device, config.num_threads or torch.get_num_threads(), config.split_min_chunk,
+                                  backend)
 
 
 def _needs_64bit_expr(program, bufs: list[str], plan) -> str:

@@ -171,3 +171,18 @@ def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = Tr
 def _depends(m: Member, stage: Stage) -> bool:
     names = {o.buffer.name for o in stage.members}
     return any(ld.arg in names for ld in loads(m.body))
+
+
+def rows_contiguous(plan: LoopPlan) -> bool:
+    """True for a reduction whose input is contiguous across rows, not along them (column sums:
+    x.sum(0), the partial kernel of a split column sum): a [XBLOCK, RBLOCK] tile with several
+    rows then reads whole sectors, where one row per program reads one element per sector."""
+    if plan.kernel.kind != "reduction" or not plan.outer or not plan.inner:
+        return False
+    last_x, last_y = f"x{len(plan.outer) - 1}", f"y{len(plan.inner) - 1}"
+    for m in plan.members:
+        if m.role == "reduce":
+            for ld in loads(m.body):
+                if step_of(ld.args[0], last_y) not in (0, 1) and step_of(ld.args[0], last_x) == 1:
+                    return True
+    return False

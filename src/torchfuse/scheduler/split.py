@@ -51,27 +51,41 @@ class SplitParams:
     # gathers took 80 us on an H100.  They split at fewer elements, into shorter chunks.
     gather_chunk: int = 0       # 0: min_chunk
     gather_min_numel: int = 0   # 0: min_numel
-    # Column-like data is reduced in tiles of this many rows per program (Triton's column plan):
-    # the program count is rows / column_tile, not rows.  1: tiles are not counted (C++).
+    # Column-like data is reduced in tiles of this many rows per program (Triton's column plan,
+    # C++'s COLUMN_TILE): the program count is rows / column_tile, not rows
     column_tile: int = 1
+    column_chunk: int = 1024    # fewest reduced elements per partial of a tiled column reduction
+    column_fewest: int = 4      # fewest partials worth a second kernel for column tiles
 
     @staticmethod
-    def for_device(device: str, num_threads: int, min_chunk: int = 0) -> "SplitParams":
-        """Defaults per device; `min_chunk` (Config.split_min_chunk) overrides the chunk size
-        (tests use it to split small tensors)."""
+    def for_device(device: str, num_threads: int, min_chunk: int = 0, backend: str = "") -> "SplitParams":
+        """Defaults per device and code generator (`backend`: "triton" or "cpp"; the device's
+        own by default); `min_chunk` (Config.split_min_chunk) overrides the chunk size (tests
+        use it to split small tensors)."""
+        backend = backend or ("triton" if device == "cuda" else "cpp")
+        column_tile, column_fewest = 1, 2
         if device == "cuda":
             sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             # a launch costs a few microseconds: below ~256K elements one program is as fast
             target, chunk, numel = 2 * sms, 4096, 1 << 18
             gather_chunk, gather_numel, column_tile = 256, 1 << 12, 64   # triton_launch.COLUMN_XBLOCK
+            # Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
+            # [2048, 768-3072] weight-gradient sums of a training step) and cost a second kernel.
+            column_fewest = 4
         else:
             # 4 chunks per thread balance the load; OpenMP start-up wants >= ~64K elements each
             target, chunk, numel = 4 * max(1, num_threads), 1 << 16, 1 << 20
-            gather_chunk, gather_numel, column_tile = 0, 0, 1
+            gather_chunk, gather_numel = 0, 0
+            if backend == "cpp":
+                # codegen.cpp.COLUMN_TILE: a batch norm's 64 channels are one tile, one thread
+                # unless the rows split (Triton's interpreter on a CPU does not count tiles)
+                column_tile = 64
         if min_chunk:
             chunk, numel = min_chunk, 2 * min_chunk
             gather_chunk, gather_numel = min(gather_chunk or chunk, chunk), min(gather_numel or numel, numel)
-        return SplitParams(target, chunk, numel, gather_chunk, gather_numel, column_tile)
+        # a column tile partial reads several elements per reduced element: shorter chunks
+        column_chunk = max(1, chunk // 4 if backend == "triton" else chunk // column_tile)
+        return SplitParams(target, chunk, numel, gather_chunk, gather_numel, column_tile, column_chunk, column_fewest)
 
 
 def split_factor(rows: int, length: int, target: int, min_chunk: int) -> int:
@@ -198,8 +212,7 @@ class _Splitter:
         programs = -(-rows // p.column_tile) if tiled else rows
         if _gathers(red):
             return programs, p.gather_chunk or p.min_chunk, p.gather_min_numel or p.min_numel, tiled
-        # a column tile program reads column_tile rows per reduced element: shorter chunks
-        return programs, max(1, p.min_chunk // 4) if tiled else p.min_chunk, p.min_numel, tiled
+        return programs, p.column_chunk if tiled else p.min_chunk, p.min_numel, tiled
 
     def why_not(self, kernel: Kernel) -> str:
         """Empty when `kernel` should be split, else the reason (for the log)."""
@@ -212,9 +225,7 @@ class _Splitter:
         programs, chunk, min_numel, tiled = self._sizing(kernel, red)
         if rows.arg == 0 or programs * 2 > self.params.target:
             return f"{rows.arg} rows already fill the {self.params.target} programs"
-        # Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
-        # [2048, 768-3072] weight-gradient sums of a training step) and cost a second kernel.
-        fewest = 4 if tiled else 2
+        fewest = self.params.column_fewest if tiled else 2
         if length.op == "const":
             if rows.arg * length.arg < min_numel:
                 return f"{rows.arg}x{length.arg} elements are too few to pay for a second kernel"
