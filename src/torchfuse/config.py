@@ -76,9 +76,10 @@ class Config:
     on an H100: 0.985-1.04x the folded speed), and the copy raised peak memory by 8-91 MiB
     (resnet50: 778 -> 687 MiB, Inductor's figure; benchmarks/probes/option_ab.py)."""
     channels_last_devices: tuple[str, ...] = ("cpu",)
-    """Devices on which `channels_last_convs` runs (inference graphs): convolutions read their
-    activations channels-last, as oneDNN runs them 10-35% faster (zoo CNNs on 2 cores).  Not
-    on CUDA by default: not measured there yet (the GPU zoo feeds channels-last already)."""
+    """Devices on which `channels_last_convs` runs (inference graphs; training graphs through
+    frontend/channels_last_training.py): convolutions read their activations channels-last, as
+    oneDNN runs them 10-40% faster (zoo CNNs on 2 cores).  Not on CUDA by default: not measured
+    there yet (the GPU zoo feeds channels-last already)."""
     freezing: bool = False
     """Inference graphs: values computed from parameters and buffers alone (folded conv-bn
     weights, weight casts, position biases) are always computed once and kept; by default they

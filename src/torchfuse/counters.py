@@ -22,6 +22,8 @@ class Counters(collections.Counter):
       buffers_reused_in_place  kernel outputs written into a buffer that died at that kernel
       kernels_precompiled Triton kernels compiled in parallel before a graph's first call
       kernels_compiled_in_workers  of those, the ones a worker process compiled
+      channels_last_training  Dynamo graphs of a training step re-laid channels-last before
+                        AOTAutograd (frontend/channels_last_training.py)
       graph_cache_hits  graphs loaded from the graph cache or a saved program (AOTAutograd skipped)
       compiled_graph_loads  of those, graphs whose stored generated code was linked as it was
                         (torchfuse's passes, lowering, scheduling and codegen skipped too)

@@ -14,7 +14,7 @@ from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
-from . import graph_cache, saved_program
+from . import channels_last_training, graph_cache, saved_program
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -80,22 +80,36 @@ class TorchfuseBackend:
                                    keep_inference_input_mutations=True)
                 return aot(gm, example_inputs), cached
 
+        relaid = channels_last_training.to_channels_last(gm) \
+            if channels_last_training.wants_channels_last(gm, example_inputs, config) else []
         if saved_program.in_aot_compile():
             # torch.compile(...).aot_compile: the result must serialize (saved_program.py)
             saved_program.check_can_save(config)
             return saved_program.wrap(compile_with_aot(True)[0], config)
+
+        def compile_graph() -> Callable:
+            try:
+                return compile_with_aot(True)[0]
+            except Exception as e:
+                # Dynamo's restart signals (a float input to be specialized, ...) are not failures
+                if not graph_cache.usable(config) or isinstance(e, torch._dynamo.exc.RestartAnalysis):
+                    raise
+                # The graph cache leans on AOTAutograd internals that differ between torch
+                # versions: if the compile fails with it, compile without it (an error of the
+                # compile itself then raises again, below) and leave it off for this process.
+                compiled = compile_with_aot(False)[0]
+                graph_cache.turn_off(f"{type(e).__name__}: {e}")
+                return compiled
+
         try:
-            return compile_with_aot(True)[0]
+            return compile_graph()
         except Exception as e:
-            # Dynamo's restart signals (a float input to be specialized, ...) are not failures
-            if not graph_cache.usable(config) or isinstance(e, torch._dynamo.exc.RestartAnalysis):
+            if not relaid or isinstance(e, torch._dynamo.exc.RestartAnalysis):
                 raise
-            # The graph cache leans on AOTAutograd internals that differ between torch
-            # versions: if the compile fails with it, compile without it (an error of the
-            # compile itself then raises again, below) and leave it off for this process.
-            compiled = compile_with_aot(False)[0]
-            graph_cache.turn_off(f"{type(e).__name__}: {e}")
-            return compiled
+            log.info("the channels-last training graph did not compile (%s: %s); compiling it as NCHW",
+                     type(e).__name__, e)
+            channels_last_training.undo(gm, relaid)
+            return compile_graph()
 
 
 def _static_input_indices() -> set[int]:

@@ -1,0 +1,100 @@
+"""CNN training steps on channels-last activations (frontend/channels_last_training.py): the
+rewrite happens on Dynamo's graph, AOTAutograd derives forward and backward from it; results,
+gradients, running statistics and output strides are eager's."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from torchfuse import counters
+from torchfuse.frontend.channels_last_training import MIN_ACTIVATIONS_PER_WEIGHT
+
+
+class ConvNet(nn.Module):
+    """conv-bn-relu blocks, a depthwise one, a concat and a residual; `flatten_with_view`:
+    the head flattens with .view (which a channels-last activation does not allow)."""
+
+    def __init__(self, width: int = 8, flatten_with_view: bool = False, map_out: bool = False):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU())
+        self.dw = nn.Sequential(nn.Conv2d(width, width, 3, padding=1, groups=width), nn.BatchNorm2d(width), nn.ReLU())
+        self.pw = nn.Conv2d(2 * width, width, 1)
+        self.head = nn.Linear(width * 4, 5)
+        self.flatten_with_view, self.map_out = flatten_with_view, map_out
+
+    def forward(self, x):
+        y = self.stem(x)
+        z = self.dw(y)
+        y = self.pw(torch.cat([y, z], 1)) + y
+        if self.map_out:
+            return y            # a 4-d output: eager's strides (contiguous) expected
+        y = nn.functional.adaptive_avg_pool2d(y, 2)
+        y = y.view(y.shape[0], -1) if self.flatten_with_view else torch.flatten(y, 1)
+        return self.head(y)
+
+
+def _step(model, x):
+    out = model(x)
+    out.square().mean().backward()
+    return out
+
+
+def _check(model: nn.Module, x: torch.Tensor, relaid: int) -> None:
+    ref = copy.deepcopy(model)
+    before = counters["channels_last_training"]
+    compiled = torch.compile(model, backend="torchfuse")
+    for _ in range(2):              # the second step reads the running stats the first updated
+        model.zero_grad()
+        ref.zero_grad()
+        out, expected = _step(compiled, x), _step(ref, x)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+        assert out.stride() == expected.stride()
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=2e-3, atol=1e-4, msg=name)
+        for b, r in zip(model.buffers(), ref.buffers()):
+            torch.testing.assert_close(b, r, rtol=1e-4, atol=1e-5)
+    assert counters["channels_last_training"] - before == relaid
+
+
+def test_training_step_runs_channels_last_with_eagers_gradients():
+    _check(ConvNet(), torch.randn(4, 3, 16, 16), relaid=1)
+
+
+def test_four_d_output_keeps_eagers_strides():
+    _check(ConvNet(map_out=True), torch.randn(3, 3, 10, 12), relaid=1)
+
+
+def test_view_that_needs_nchw_falls_back_to_the_graph_as_it_was():
+    """AOTAutograd cannot trace .view(n, -1) of a channels-last activation: the rewrite is
+    undone (net count 0) and the step still matches eager."""
+    _check(ConvNet(flatten_with_view=True), torch.randn(4, 3, 16, 16), relaid=0)
+
+
+def test_weights_heavier_than_activations_stay_nchw():
+    """64-channel 3x3 convs on a 4x4 image: 36,864 weight elements per conv against 2,048 input
+    elements, well under MIN_ACTIVATIONS_PER_WEIGHT: the copies of the weights would cost more."""
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())],
+                          nn.Flatten(), nn.Linear(64 * 16, 3))
+    x = torch.randn(2, 64, 4, 4)
+    assert x.numel() < MIN_ACTIVATIONS_PER_WEIGHT * 64 * 64 * 9
+    _check(model, x, relaid=0)
+
+
+def test_inference_and_eval_graphs_are_left_to_the_aten_pass():
+    model = ConvNet().eval()
+    before = counters["channels_last_training"]
+    with torch.no_grad():
+        out = torch.compile(model, backend="torchfuse")(torch.randn(2, 3, 8, 8))
+    assert out.shape == (2, 5)
+    assert counters["channels_last_training"] == before
+
+
+@pytest.mark.parametrize("option", [{"channels_last_devices": ()}, {"passes": ("dce", "cse")}])
+def test_switched_off_with_the_aten_pass(option):
+    model, x = ConvNet(), torch.randn(2, 3, 8, 8)
+    before = counters["channels_last_training"]
+    _step(torch.compile(model, backend="torchfuse", options=option), x)
+    assert counters["channels_last_training"] == before
