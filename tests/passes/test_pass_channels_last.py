@@ -57,7 +57,10 @@ def test_channels_last_input_and_training_are_left_alone(tf):
     with torch.no_grad():
         e = tf.check(model, x.to(memory_format=torch.channels_last), allow_fallbacks=fallbacks)
     assert _copies(e) == 0, e.passes
-    e = tf.check_grad(lambda x: model.train()(x), x.requires_grad_(), allow_fallbacks=fallbacks | {"aten.copy_.default"},
+    # a training graph is re-laid before AOTAutograd instead (frontend/channels_last_training.py;
+    # the flatten of its [2, 16, 1, 1] channels-last activation comes back as an as_strided_scatter)
+    e = tf.check_grad(lambda x: model.train()(x), x.requires_grad_(),
+                      allow_fallbacks=fallbacks | {"aten.copy_.default", "aten.as_strided_scatter.default"},
                       atol=1e-4, rtol=1e-4)
     assert _copies(e) == 0, e.passes
 

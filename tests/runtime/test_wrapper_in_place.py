@@ -231,6 +231,32 @@ def test_value_feeding_a_channels_last_convolution_is_written_channels_last(tmp_
     assert allocs and all(a.replace(" ", "") == "240,1,40,8," for a in allocs), src
 
 
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_shuffle_half_stored_for_a_convolution_is_channels_last(tmp_path, backend):
+    """ShuffleNet's block: the shuffled value is split in halves, stored at the split (the first
+    half is read again after the convolutions); the half only a channels-last convolution reads
+    is stored channels-last, the other as eager's NCHW."""
+    torch.manual_seed(0)
+    convs = [nn.Conv2d(4, 4, 1).to(memory_format=torch.channels_last) for _ in range(2)]
+
+    def fn(x, a, b, c):
+        n, ch, h, w = x.shape
+        y = torch.relu(x * a + b * c)     # reads 4 tensors: stored rather than recomputed twice
+        y = y.view(n, 2, ch // 2, h, w).transpose(1, 2).contiguous().view(n, ch, h, w)
+        x1, x2 = y.chunk(2, dim=1)
+        return torch.cat([x1, convs[1](torch.relu(convs[0](x2)))], 1) * 2
+
+    args = [torch.randn(2, 8, 6, 5).to(memory_format=torch.channels_last) for _ in range(4)]
+    with torch.no_grad():
+        # (inline_max_cost=0: a value with two readers is stored, as a costlier one is on a GPU)
+        e = torchfuse.explain(fn, *args, options={"debug": True, "debug_dir": tmp_path, "inline_max_cost": 0,
+                                                   **BACKENDS[backend]})
+        torch.testing.assert_close(e.output, fn(*args))
+    src = _wrappers(tmp_path)
+    allocs = sorted(a.replace(" ", "") for a in re.findall(r"buf\d+ = \w+\(\(2, 4, 6, 5, \), \(([\d, ]+)\), ", src))
+    assert allocs == ["120,1,20,4,", "120,30,5,1,"], src
+
+
 @pytest.mark.parametrize("row", [40, 33000])
 def test_row_held_in_registers_gets_no_buffer(tmp_path, row):
     """softmax(s) of a value too costly to recompute in each reader (stored, so it is computed

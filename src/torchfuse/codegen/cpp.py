@@ -428,19 +428,9 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
         for m, acc in accs:
             op = m.buffer.reduction_op
             v = em.value(m.body)
-            if op == "sum":
-                em.line(f"{acc} += {v};")
-            elif op == "prod":
-                em.line(f"{acc} *= {v};")
-            elif op in ("max", "min"):
-                cmp = ">" if op == "max" else "<"
-                em.line(f"{acc} = {v} {cmp} {acc} ? {v} : {acc};")
-                if m.body.dtype.is_floating_point:
-                    em.line(f"{acc}_nan |= static_cast<int32_t>({v} != {v});")
-            elif op == "any":
-                em.line(f"{acc} = {acc} || {v};")
-            elif op == "all":
-                em.line(f"{acc} = {acc} && {v};")
+            if op not in ("argmax", "argmin"):
+                nan = f"{acc}_nan" if op in ("max", "min") and m.body.dtype.is_floating_point else None
+                _accumulate(em, op, acc, v, nan)
             else:
                 flat = "0"
                 for j, size in enumerate(plan.inner):
@@ -554,20 +544,7 @@ def _emit_column_reduce(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: l
 
     def accumulate() -> None:
         for m, acc, nan in accs:
-            op, v = m.buffer.reduction_op, em.value(m.body)
-            a = f"{acc}[xi]"
-            if op == "sum":
-                em.line(f"{a} += {v};")
-            elif op == "prod":
-                em.line(f"{a} *= {v};")
-            elif op in ("max", "min"):
-                em.line(f"{a} = {v} {'>' if op == 'max' else '<'} {a} ? {v} : {a};")
-                if nan:
-                    em.line(f"{nan}[xi] |= static_cast<int32_t>({v} != {v});")
-            elif op == "any":
-                em.line(f"{a} = {a} || {v};")
-            else:
-                em.line(f"{a} = {a} && {v};")
+            _accumulate(em, m.buffer.reduction_op, f"{acc}[xi]", em.value(m.body), nan and f"{nan}[xi]")
 
     results = [_tile_array(em, m.buffer.name, "r", m.buffer.dtype) for m, _, _ in accs]
 
@@ -585,6 +562,22 @@ def _emit_column_reduce(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: l
     _emit_lanes(em, n_outer, finish)
     for (m, _, _), res in zip(accs, results):
         em.bind_local(m.buffer.name, m.store, f"{res}[xi]")
+
+
+def _accumulate(em: Emitter, op: str, acc: str, v: str, nan: str | None) -> None:
+    """acc op= v; `nan` (max/min of floats) records a NaN, which the comparison would skip."""
+    if op == "sum":
+        em.line(f"{acc} += {v};")
+    elif op == "prod":
+        em.line(f"{acc} *= {v};")
+    elif op in ("max", "min"):
+        em.line(f"{acc} = {v} {'>' if op == 'max' else '<'} {acc} ? {v} : {acc};")
+        if nan:
+            em.line(f"{nan} |= static_cast<int32_t>({v} != {v});")
+    elif op == "any":
+        em.line(f"{acc} = {acc} || {v};")
+    else:
+        em.line(f"{acc} = {acc} && {v};")
 
 
 def _result_cast(dtype: torch.dtype, result: str) -> str:

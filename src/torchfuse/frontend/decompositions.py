@@ -61,16 +61,16 @@ def _max_pool_low_memory(triton_on_cpu: bool):
     per pooled element (100 MB in a ResNet-50 step at batch 64), the offsets 1; the min-cut
     partitioner saves the offsets and recomputes the indices inside the backward's kernel.
     The same form as Inductor's decomposition."""
-    from ..ir.lower_pool import MAX_WINDOW, OFFSETS_TO_INDICES, POOL_WITH_OFFSETS
+    from ..ir.lower_pool import MAX_WINDOW, OFFSETS_TO_INDICES, POOL_WITH_OFFSETS, pair
 
     def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
         if not (x.device.type == "cuda" or (triton_on_cpu and x.device.type == "cpu")):
             return NotImplemented
         if x.ndim not in (3, 4) or not x.dtype.is_floating_point:
             return NotImplemented
-        k = _pair(kernel_size)
-        s = _pair(stride) if stride else k
-        p, d = _pair(padding), _pair(dilation)
+        k = pair(kernel_size)
+        s = pair(stride, default=k)
+        p, d = pair(padding), pair(dilation)
         if any(not isinstance(v, int) for v in (*k, *s, *p, *d)) or k[0] * k[1] > MAX_WINDOW:
             return NotImplemented
         values, offsets = POOL_WITH_OFFSETS(x, k, s, p, d, ceil_mode)
@@ -78,11 +78,6 @@ def _max_pool_low_memory(triton_on_cpu: bool):
         return values, indices
 
     return max_pool2d_with_indices
-
-
-def _pair(v) -> list:
-    v = [v] if isinstance(v, int) else list(v)
-    return v * 2 if len(v) == 1 else v
 
 
 def _base_table() -> dict:

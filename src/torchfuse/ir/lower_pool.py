@@ -42,11 +42,13 @@ except (ImportError, AttributeError):    # a torch without them: ATen's indices 
 MAX_WINDOW = 64      # window elements unrolled into one kernel; larger windows run through ATen
 
 
-def _pair(v: Any, default: Sequence[int] | None = None) -> tuple[int, int]:
+def pair(v: Any, default: Sequence[int] | None = None) -> tuple[int, int]:
+    """A pooling argument (an int, or one or two ints) as two ints; `default` for an empty one
+    (a stride left out is the kernel size)."""
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
         if default is None:
             raise Unsupported("pooling without a kernel size")
-        return _pair(default)
+        return pair(default)
     if isinstance(v, int):
         return (v, v)
     if len(v) == 1:
@@ -63,8 +65,8 @@ def _window(lw: GraphLowering, x: TensorValue, kernel: Any, stride: Any, padding
         raise Unsupported("pooling of a tensor that is not 3-d or 4-d")
     if not x.dtype.is_floating_point:
         raise Unsupported(f"pooling of {x.dtype}")
-    k, s = _pair(kernel), _pair(stride, kernel)
-    p, d = _pair(padding), _pair(dilation)
+    k, s = pair(kernel), pair(stride, kernel)
+    p, d = pair(padding), pair(dilation)
     if any(not isinstance(v, int) for v in (*k, *s, *p, *d)):
         raise Unsupported("pooling with symbolic window parameters")
     if k[0] * k[1] > MAX_WINDOW:
@@ -159,7 +161,7 @@ def _offsets_to_indices(lw: GraphLowering, offsets, kernel_size, input_size, str
     into the backward kernel that reads them."""
     if not isinstance(offsets, TensorValue) or len(kernel_size) != 2:
         raise Unsupported("max-pool offsets that are not 2-d")
-    k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
+    k, s, p, d = pair(kernel_size), pair(stride), pair(padding), pair(dilation)
     if any(not isinstance(v, int) for v in (*k, *s, *p, *d)):
         raise Unsupported("pooling with symbolic window parameters")
     width = as_node(input_size[-1])

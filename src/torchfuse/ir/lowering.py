@@ -218,8 +218,8 @@ def _misaligned(layout: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bo
 
 
 # Ops whose result is smaller than what they read: each runs as a kernel of its own loop, apart
-# from the elementwise readers of the same value.
-_REDUCTIONS = frozenset({
+# from the elementwise readers of the same value (passes/unfuse_bias.py reads this too).
+REDUCTIONS = frozenset({
     torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
     torch.ops.aten.mean.default, torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int,
     torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.default,
@@ -234,6 +234,21 @@ _REINDEX = frozenset({
     torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
     torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.default, torch.ops.aten.alias.default,
     torch.ops.prims.broadcast_in_dim.default})
+
+
+def _channels_last_conv(node: fx.Node) -> bool:
+    """A convolution whose output (and so whose input, for cuDNN and oneDNN) is channels-last."""
+    if node.target not in _CONVOLUTIONS:
+        return False
+    out = meta_val(node)
+    out = out[0] if isinstance(out, (list, tuple)) else out
+    return isinstance(out, torch.Tensor) and out.ndim == 4 and not out.is_contiguous() \
+        and out.is_contiguous(memory_format=torch.channels_last)
+
+
+def _item_readers(node: fx.Node, i: int) -> list[fx.Node]:
+    """The nodes reading item `i` of a node with several outputs (through its getitem)."""
+    return [u for g in node.users if g.target is operator.getitem and g.args[1] == i for u in g.users]
 
 
 def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> tuple[int, bool]:
@@ -258,7 +273,7 @@ def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 40
             readers.append(user)
     reduction_sizes, elementwise = set(), []
     for user in readers:
-        if user.target in _REDUCTIONS:
+        if user.target in REDUCTIONS:
             val = meta_val(user)
             val = val[0] if isinstance(val, (list, tuple)) else val
             reduction_sizes.add(str(val.numel()) if isinstance(val, torch.Tensor) else None)   # (SymInts do not hash)
@@ -484,7 +499,7 @@ class GraphLowering:
             if self.env[node] is None:
                 raise Unsupported(f"getitem on {type(base)}")
             # an output of a multi-output lowering (max-pool values): its own users decide
-            self.env[node] = self._maybe_realize_one(node, self.env[node])
+            self.env[node] = self._maybe_realize_one(node, self.env[node], list(node.users))
             return
         if target in _RUNTIME_CHECKS or (isinstance(val, (bool, torch.SymBool)) and
                                          getattr(target, "__module__", "") == "_operator"):
@@ -521,10 +536,7 @@ class GraphLowering:
         but nothing observes its layout except the convolution, which would copy it to
         channels-last first (cuDNN and oneDNN take both operands in one memory format): the
         copy Inductor avoids with its flexible layouts."""
-        out = meta_val(node)
-        out = out[0] if isinstance(out, (list, tuple)) else out
-        if not isinstance(out, torch.Tensor) or out.ndim != 4 or out.is_contiguous() \
-                or not out.is_contiguous(memory_format=torch.channels_last):
+        if not _channels_last_conv(node):
             return
         for a in args:
             if isinstance(a, ComputedValue) and a.ndim == 4:
@@ -555,12 +567,18 @@ class GraphLowering:
 
     def _maybe_realize(self, node: fx.Node, result: Any) -> Any:
         if isinstance(result, (list, tuple)):
-            return type(result)(self._maybe_realize_one(node, r) for r in result)
-        return self._maybe_realize_one(node, result)
+            return type(result)(self._maybe_realize_one(node, r, _item_readers(node, i)) for i, r in enumerate(result))
+        return self._maybe_realize_one(node, result, list(node.users))
 
-    def _maybe_realize_one(self, node: fx.Node, value: Any) -> Any:
+    def _maybe_realize_one(self, node: fx.Node, value: Any, readers: list[fx.Node]) -> Any:
         if not isinstance(value, ComputedValue):
             return value
+        layout = None
+        if value.ndim == 4 and readers and all(_channels_last_conv(r) for r in readers):
+            # stored as the convolutions read it (a channel shuffle's half, whose own node says
+            # NCHW), else ATen copies it to channels-last in every call
+            n, c, h, w = value.shape
+            layout = Layout(value.shape, (h * w * c, const(1), w * c, c))
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
@@ -569,10 +587,10 @@ class GraphLowering:
             # a window (pooling) reads several input elements per output: each consumer that
             # recomputed it would read the input that many times over
             if getattr(value, "window", False) or not self.config.fuse:
-                return self.realize(value)
+                return self.realize(value, layout=layout)
             body = value.load([var(f"i{k}") for k in range(value.ndim)])
             if cost(body) > self.config.inline_max_cost:
-                return self.realize(value)
+                return self.realize(value, layout=layout)
             # store it when that reads fewer bytes than recomputing it in every reader (each
             # reads its m inputs, where storing reads them once, writes it once and reads it
             # k times), or when readers past an ATen call would keep its inputs alive
@@ -580,7 +598,7 @@ class GraphLowering:
             if m >= 2:
                 k, late = _kernels_reading(node, self._node_order())
                 if late or (k - 1) * (m - 1) > 2:
-                    return self.realize(value)
+                    return self.realize(value, layout=layout)
         return value
 
     def _fallback(self, node: fx.Node, reason: str) -> None:

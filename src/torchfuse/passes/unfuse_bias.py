@@ -25,6 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..ir.lowering import REDUCTIONS
 from ._meta import create_node, val_of
 from .context import PassContext
 
@@ -40,10 +41,7 @@ _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, at
 # reductions the lowering computes in a kernel of its own, which reads its input through any
 # pointwise producer: a layer norm's statistics over a convolution's output (ConvNeXt's depthwise
 # convolution, permuted, then normalized) take the bias add into the same loads
-_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
-               aten.amin.default, aten.var.correction, aten.var_mean.correction, aten.std.correction,
-               aten._softmax.default, aten._log_softmax.default, torch.ops.prims.sum.default,
-               torch.ops.prims.var.default, aten.native_layer_norm.default}
+_REDUCTIONS = REDUCTIONS | {aten.native_layer_norm.default}
 
 
 def _pointwise_uses_only(node: fx.Node) -> bool:
