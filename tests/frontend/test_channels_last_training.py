@@ -98,3 +98,23 @@ def test_switched_off_with_the_aten_pass(option):
     before = counters["channels_last_training"]
     _step(torch.compile(model, backend="torchfuse", options=option), x)
     assert counters["channels_last_training"] == before
+
+
+def test_new_batch_sizes_build_nothing():
+    """The rewrite keeps batch sizes symbolic: after the first dynamic recompile (8, then 4) the
+    training steps at 16 and 3 build no kernel (16 may compile a graph again, for the guard
+    torch's fake convolution adds) and match eager."""
+    model = ConvNet()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="torchfuse")
+    builds, relaid = [], counters["channels_last_training"]
+    for batch in (8, 4, 16, 3):
+        x = torch.randn(batch, 3, 12, 12)
+        before = counters["kernel_builds"]
+        model.zero_grad()
+        ref.zero_grad()
+        torch.testing.assert_close(_step(compiled, x), _step(ref, x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.stem[0].weight.grad, ref.stem[0].weight.grad, rtol=2e-3, atol=1e-4)
+        builds.append(counters["kernel_builds"] - before)
+    assert builds[2:] == [0, 0], builds
+    assert counters["channels_last_training"] > relaid
