@@ -78,8 +78,10 @@ class Config:
     channels_last_devices: tuple[str, ...] = ("cpu",)
     """Devices on which `channels_last_convs` runs (inference graphs; training graphs through
     frontend/channels_last_training.py): convolutions read their activations channels-last, as
-    oneDNN runs them 10-40% faster (zoo CNNs on 2 cores).  Not on CUDA by default: not measured
-    there yet (the GPU zoo feeds channels-last already)."""
+    oneDNN runs them 10-40% faster (zoo CNNs on 2 cores).  Not on CUDA by default: with NCHW
+    models and inputs in fp32 (TF32 off) on an H100, cuDNN ran resnet18/resnet50 inference and
+    training 6-20% slower channels-last, mobilenet_v2 training 18% faster
+    (benchmarks/probes/nchw_layout.py)."""
     freezing: bool = False
     """Inference graphs: values computed from parameters and buffers alone (folded conv-bn
     weights, weight casts, position biases) are always computed once and kept; by default they
