@@ -24,6 +24,8 @@ class Counters(collections.Counter):
       kernels_compiled_in_workers  of those, the ones a worker process compiled
       channels_last_training  Dynamo graphs of a training step re-laid channels-last before
                         AOTAutograd (frontend/channels_last_training.py)
+      upsample_aten_backward  bilinear/nearest upsamples of training graphs differentiated by
+                        ATen's upsample backward (frontend/upsample_training.py)
       graph_cache_hits  graphs loaded from the graph cache or a saved program (AOTAutograd skipped)
       compiled_graph_loads  of those, graphs whose stored generated code was linked as it was
                         (torchfuse's passes, lowering, scheduling and codegen skipped too)

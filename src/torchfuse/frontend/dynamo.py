@@ -14,7 +14,7 @@ from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
-from . import channels_last_training, graph_cache, saved_program
+from . import channels_last_training, graph_cache, saved_program, upsample_training
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -80,6 +80,7 @@ class TorchfuseBackend:
                                    keep_inference_input_mutations=True)
                 return aot(gm, example_inputs), cached
 
+        upsamples = upsample_training.use_aten_backward(gm, example_inputs)
         relaid = channels_last_training.to_channels_last(gm) \
             if channels_last_training.wants_channels_last(gm, example_inputs, config) else []
         if saved_program.in_aot_compile():
@@ -104,11 +105,13 @@ class TorchfuseBackend:
         try:
             return compile_graph()
         except Exception as e:
-            if not relaid or isinstance(e, torch._dynamo.exc.RestartAnalysis):
+            if not (relaid or upsamples) or isinstance(e, torch._dynamo.exc.RestartAnalysis):
                 raise
-            log.info("the channels-last training graph did not compile (%s: %s); compiling it as NCHW",
+            log.info("the rewritten training graph did not compile (%s: %s); compiling it as it was",
                      type(e).__name__, e)
-            channels_last_training.undo(gm, relaid)
+            if relaid:
+                channels_last_training.undo(gm, relaid)
+            upsample_training.undo(gm, upsamples)
             return compile_graph()
 
 

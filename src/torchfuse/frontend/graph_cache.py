@@ -174,12 +174,14 @@ def serializable(kind: str, compile: Compile, static: Callable[[], set], trainin
 
 def _pickle_options() -> dict:
     """The pickler's default op filter (ops importable anywhere) plus prims, which torchfuse's
-    decompositions leave in its graphs (prims.var, prims.convert_element_type)."""
+    decompositions leave in its graphs (prims.var, prims.convert_element_type), and torchfuse's
+    own ops (frontend/upsample_training.py), registered wherever torchfuse is imported."""
     try:
         from torch.fx._graph_pickler import Options, _ops_filter_safe
     except ImportError:
         return {}
-    return {"options": Options(ops_filter=lambda name: name.startswith("torch.ops.prims.") or _ops_filter_safe(name))}
+    return {"options": Options(ops_filter=lambda name: name.startswith(("torch.ops.prims.", "torch.ops.torchfuse."))
+                               or _ops_filter_safe(name))}
 
 
 _off_reason: str | None = None
