@@ -32,6 +32,7 @@ CASES = [
     dict(scale_factor=(1.5, 2.5), mode="bilinear", recompute_scale_factor=True),
     dict(scale_factor=2, mode="nearest"),
     dict(size=(11, 7), mode="nearest"),
+    dict(scale_factor=1.5, mode="nearest-exact"),
 ]
 
 
@@ -56,9 +57,34 @@ def test_upsample_training_step(interp, tmp_path):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-4, msg=name)
     assert counters["upsample_aten_backward"] - before == 1
     graphs = _graphs(tmp_path)
-    assert "torchfuse.upsample2d_backward" in graphs
+    assert "torchfuse.upsample_backward" in graphs
     assert "index_put" not in graphs
     assert "_unsafe_index" in graphs      # the forward is still a (fused) gather
+
+
+@pytest.mark.parametrize("mode,shape,kwargs", [
+    ("linear", (2, 3, 9), dict(scale_factor=2.5)),
+    ("linear", (2, 3, 9), dict(size=13, align_corners=True)),
+    ("nearest", (2, 3, 9), dict(size=20)),
+    ("trilinear", (2, 3, 4, 5, 3), dict(scale_factor=(2, 1.5, 3))),
+    ("nearest", (2, 3, 4, 5, 3), dict(scale_factor=2)),
+    ("nearest-exact", (2, 3, 4, 5, 3), dict(size=(5, 7, 4))),
+])
+def test_1d_and_3d(mode, shape, kwargs, tmp_path):
+    def f(x):
+        return F.interpolate(torch.tanh(x), mode=mode, **kwargs) * 2
+
+    x = torch.randn(shape, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    compiled = torch.compile(f, backend="torchfuse", options={"debug": True, "debug_dir": str(tmp_path)})
+    out, expected = compiled(x), f(xr)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(expected)
+    out.backward(g)
+    expected.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-5)
+    graphs = _graphs(tmp_path)
+    assert "torchfuse.upsample_backward" in graphs and "index_put" not in graphs
 
 
 def test_input_gradient_and_new_batch(tmp_path):
