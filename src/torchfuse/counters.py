@@ -24,7 +24,9 @@ class Counters(collections.Counter):
       kernels_compiled_in_workers  of those, the ones a worker process compiled
       channels_last_training  Dynamo graphs of a training step re-laid channels-last before
                         AOTAutograd (frontend/channels_last_training.py)
-      upsample_aten_backward  bilinear/nearest upsamples of training graphs differentiated by
+      constant_masks_dropped  SDPA attention masks computed from constants that mask nothing,
+                        dropped before AOTAutograd (frontend/constant_masks.py)
+      upsample_aten_backward  upsamples (nearest, linear modes) of training graphs differentiated by
                         ATen's upsample backward (frontend/upsample_training.py)
       graph_cache_hits  graphs loaded from the graph cache or a saved program (AOTAutograd skipped)
       compiled_graph_loads  of those, graphs whose stored generated code was linked as it was

@@ -14,7 +14,7 @@ from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
-from . import channels_last_training, graph_cache, saved_program, upsample_training
+from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -80,6 +80,7 @@ class TorchfuseBackend:
                                    keep_inference_input_mutations=True)
                 return aot(gm, example_inputs), cached
 
+        constant_masks.drop_constant_masks(gm)
         upsamples = upsample_training.use_aten_backward(gm, example_inputs)
         relaid = channels_last_training.to_channels_last(gm) \
             if channels_last_training.wants_channels_last(gm, example_inputs, config) else []

@@ -1,0 +1,77 @@
+"""Attention masks computed from constants that mask nothing are dropped before AOTAutograd
+(frontend/constant_masks.py), so SDPA can pick a fused kernel; masks that mask something, or
+that depend on inputs or random numbers, stay.  Outputs are eager's either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchfuse import counters
+
+B, H, S, D = 2, 2, 18, 8     # 18: rows not 8-aligned, the case that sent SDPA to its math path
+
+
+def _qkv(batch: int = B, requires_grad: bool = False):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(batch, H, S, D, generator=g).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def all_true_from_arange(q, k, v):       # transformers 5.17's encoder mask
+    rows = torch.arange(S, device=q.device) + 0
+    mask = (rows[None, None, :, None] >= 0).expand(q.shape[0], -1, S, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def zero_additive(q, k, v):
+    mask = torch.zeros(S, S, device=q.device, dtype=q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, mask)
+
+
+def causal(q, k, v):
+    rows = torch.arange(S, device=q.device)
+    mask = rows[:, None] >= rows[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def random_all_true(q, k, v):
+    mask = torch.rand(S, S, device=q.device) < 2.0     # all true, but drawn anew every call
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("fn,dropped", [(all_true_from_arange, 1), (zero_additive, 1), (causal, 0),
+                                        (random_all_true, 0)])
+def test_masks(fn, dropped):
+    before = counters["constant_masks_dropped"]
+    q, k, v = _qkv()
+    torch.testing.assert_close(torch.compile(fn, backend="torchfuse")(q, k, v), fn(q, k, v), rtol=1e-5, atol=1e-5)
+    assert counters["constant_masks_dropped"] - before == dropped
+
+
+def test_mask_from_an_input_stays():
+    def f(q, k, v, keep):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, None, :].expand(-1, H, S, S))
+
+    before = counters["constant_masks_dropped"]
+    q, k, v = _qkv()
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, 5:] = False
+    torch.testing.assert_close(torch.compile(f, backend="torchfuse")(q, k, v, keep), f(q, k, v, keep),
+                               rtol=1e-5, atol=1e-5)
+    assert counters["constant_masks_dropped"] == before
+
+
+def test_symbolic_batch_and_training():
+    """The mask's expand to a dynamic batch does not keep it; gradients are eager's."""
+    before = counters["constant_masks_dropped"]
+    compiled = torch.compile(all_true_from_arange, backend="torchfuse", dynamic=True)
+    for batch in (3, 5):
+        q, k, v = _qkv(batch, requires_grad=True)
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, expected = compiled(q, k, v), all_true_from_arange(qr, kr, vr)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        for a, b in ((q, qr), (k, kr), (v, vr)):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+    assert counters["constant_masks_dropped"] - before == 1
