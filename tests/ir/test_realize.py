@@ -94,3 +94,46 @@ def test_attention_bias_is_written_with_aligned_strides(monkeypatch):
     # sizes already aligned keep their dense strides; other widths round up per row
     assert aligned_bias_layout([const(2), const(4), const(64)]).strides == (const(256), const(64), const(1))
     assert aligned_bias_layout([const(5), const(3), const(10)]).strides == (const(48), const(16), const(1))
+
+
+def _rotary(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] rotated by a [S, D] table of angles, as Llama's rotary embedding does."""
+    cos, sin = angles.cos()[None, None], angles.sin()[None, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _sin_cos_loops(e) -> list[str]:
+    """For every kernel that evaluates sin or cos: how many elements it loops over."""
+    found = []
+    for k in e.kernels:
+        if "std::sin" in k.source or "std::cos" in k.source:
+            bounds = re.findall(r"< \(int64_t\)(\d+);", k.source)
+            found.append("x".join(bounds))
+    return found
+
+
+def test_broadcast_sin_cos_table_is_stored_once():
+    """A transcendental value read broadcast is stored, not evaluated once per reader element:
+    the [S, D] sin/cos table is computed over S*D elements, not B*H*S*D."""
+    torch.manual_seed(0)
+    B, H, S, D = 2, 4, 48, 32
+    x = torch.randn(B, H, S, D)
+    angles = torch.arange(S)[:, None] * torch.rand(D) * 3
+    with torch.no_grad():
+        e = torchfuse.explain(_rotary, x, angles)
+    torch.testing.assert_close(e.output, _rotary(x, angles), rtol=1e-5, atol=1e-5)
+    loops = _sin_cos_loops(e)
+    assert loops and all(bounds in (f"{S}x{D}", f"{S * D}") for bounds in loops), loops
+    assert len(e.kernels) == 2, [k.name for k in e.kernels]     # the table, then the rotation
+
+
+def test_unbroadcast_or_small_transcendental_stays_inlined():
+    """Read element for element, or broadcast over few elements, sin stays in its reader."""
+    x = torch.randn(8, 64)
+    with torch.no_grad():
+        same = torchfuse.explain(lambda t: torch.sin(t) * t + 1, x)
+        small = torchfuse.explain(lambda t, a: t * torch.sin(a), torch.randn(2, 16), torch.randn(16))
+    assert len(same.kernels) == 1 and len(small.kernels) == 1
+    torch.testing.assert_close(same.output, torch.sin(x) * x + 1)
