@@ -299,48 +299,6 @@ def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 40
     return len(reduction_sizes) + int(len(late) < len(elementwise)) + int(bool(late)), bool(late)
 
 
-# Transcendental functions a C++ kernel evaluates by a library call per element (sin, cos) or a
-# polynomial (exp, log, tanh, erf, sigmoid): tens of cycles each, where a load is one.
-TRANSCENDENTAL = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin", "acos",
-                  "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf", "erfc", "erfinv",
-                  "lgamma", "digamma", "atan2"}
-# A value read broadcast this many more times than it has elements is stored first.
-BROADCAST_RECOMPUTE = 2
-MIN_REDUNDANT = 4096        # ...when that saves at least this many evaluations (a kernel costs ~1 us)
-
-
-def _hint_numel(t: Any) -> int | None:
-    if not isinstance(t, torch.Tensor):
-        return None
-    n = t.numel()
-    try:
-        return int(n)
-    except Exception:         # symbolic: the size this graph was traced at
-        hint = getattr(getattr(n, "node", None), "hint", None)
-        return int(hint) if hint is not None else None
-
-
-def _broadcast_transcendental(value: ComputedValue, node: fx.Node, readers: list[fx.Node]) -> bool:
-    """A CPU value that evaluates a transcendental function and that a reader reads broadcast
-    (more elements out than the value has): inlined, the reader would evaluate it once per its
-    own element.  A Llama step's rotary sin/cos table [S, D] was recomputed for every head and
-    batch row of q and k, forward and backward: two scalar sinf/cosf calls per element (0.15 ms
-    per call of a [128, 128] rotary kernel on 2 cores).  Stored, it is read at a load's cost.
-    Not on CUDA, where the GPU's special-function units make recomputing cheap and a stored
-    table costs a launch."""
-    meta = meta_val(node)
-    if not isinstance(meta, torch.Tensor) or meta.device.type != "cpu":
-        return False
-    own = _hint_numel(meta)
-    if not own:
-        return False
-    widest = max((_hint_numel(meta_val(r)) or 0 for r in readers), default=0)
-    if widest < BROADCAST_RECOMPUTE * own or widest - own < MIN_REDUNDANT:
-        return False
-    body = value.load([var(f"i{k}") for k in range(value.ndim)])
-    return any(x.op in TRANSCENDENTAL for x in _walk(body))
-
-
 def _full_reads(body: Node, shape: Sequence[Node]) -> int:
     """How many distinct buffers an inlined value reads one element of per element of its own
     (indices that use every non-trivial loop variable): a broadcast bias or a per-row statistic
@@ -624,8 +582,6 @@ class GraphLowering:
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
-        if self.config.fuse and _broadcast_transcendental(value, node, readers):
-            return self.realize(value, layout=layout)
         users = len(node.users)
         if users > 1 or not self.config.fuse:
             # a window (pooling) reads several input elements per output: each consumer that
