@@ -98,6 +98,8 @@ def to_channels_last(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def undo(gm: fx.GraphModule, inserted: list[fx.Node]) -> None:
+    if not inserted:
+        return
     counters.bump("channels_last_training", -1)
     for node in reversed(inserted):
         node.replace_all_uses_with(node.args[0])

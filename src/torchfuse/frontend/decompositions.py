@@ -94,8 +94,8 @@ def _base_table() -> dict:
             like = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             return stock(grad_output, like, target, weight, reduction, ignore_index, total_weight)
         _table[aten.nll_loss_backward.default] = nll_loss_backward
-        from .upsample_training import decompose_upsample
-        _table[torch.ops.torchfuse.upsample.default] = decompose_upsample
+        from .upsample_training import interpolate as upsample_forward
+        _table[torch.ops.torchfuse.upsample.default] = upsample_forward
     from ..extend import decompositions as user_decompositions
     extra = user_decompositions()
     return {**_table, **extra} if extra else _table

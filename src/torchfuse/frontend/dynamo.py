@@ -110,8 +110,7 @@ class TorchfuseBackend:
                 raise
             log.info("the rewritten training graph did not compile (%s: %s); compiling it as it was",
                      type(e).__name__, e)
-            if relaid:
-                channels_last_training.undo(gm, relaid)
+            channels_last_training.undo(gm, relaid)
             upsample_training.undo(gm, upsamples)
             return compile_graph()
 

@@ -48,19 +48,18 @@ def _scale_factors(size: Any, scale_factor: Any, recompute_scale_factor: bool | 
     return [float(s) for s in scale_factor]
 
 
-@torch.library.custom_op("torchfuse::upsample", mutates_args=())
-def upsample(x: torch.Tensor, mode: str, size: list[int] | None, scale_factor: list[float] | None,
-             align_corners: bool | None, recompute_scale_factor: bool | None) -> torch.Tensor:
-    """F.interpolate in one of _BACKWARDS's modes, differentiated by ATen's upsample backward.
-    An op (not a Python function) in Dynamo's graph keeps the graph cacheable; the
-    decomposition table turns it back into F.interpolate's gathers."""
+def interpolate(x: torch.Tensor, mode: str, size: list[int] | None, scale_factor: list[float] | None,
+                align_corners: bool | None, recompute_scale_factor: bool | None) -> torch.Tensor:
+    """F.interpolate in one of _BACKWARDS's modes: `upsample`'s kernel, its fake kernel, and its
+    entry in the decomposition table (which turns it back into F.interpolate's gathers, fused
+    like any other)."""
     return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor)
 
 
-@upsample.register_fake
-def _(x: torch.Tensor, mode: str, size: list[int] | None, scale_factor: list[float] | None,
-      align_corners: bool | None, recompute_scale_factor: bool | None) -> torch.Tensor:
-    return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor)
+# An op (not a Python function) in Dynamo's graph keeps the graph cacheable; its autograd
+# formula (below) is ATen's upsample backward.
+upsample = torch.library.custom_op("torchfuse::upsample", interpolate, mutates_args=())
+upsample.register_fake(interpolate)
 
 
 @torch.library.custom_op("torchfuse::upsample_backward", mutates_args=())
@@ -96,12 +95,6 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 upsample.register_autograd(_backward, setup_context=_setup_context)
-
-
-def decompose_upsample(x: torch.Tensor, mode: str, size: list[int] | None, scale_factor: list[float] | None,
-                       align_corners: bool | None, recompute_scale_factor: bool | None) -> torch.Tensor:
-    """For the decomposition table: the forward as F.interpolate's gathers, fused like any other."""
-    return F.interpolate(x, size, scale_factor, mode, align_corners, recompute_scale_factor)
 
 
 def _per_dim(value: Any, cast: type, dims: int) -> list | None:
