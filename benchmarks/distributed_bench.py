@@ -10,7 +10,7 @@ strategy, backend), in one process group:
   * correctness: parameters after CHECK_STEPS SGD steps against one process running the same
     global batch as `world` micro-batches with gradients accumulated (what data parallelism
     computes: a batch norm normalizes each rank's slice), judged by the largest relative L2
-    error over the parameters;
+    error over the parameters, next to the same reference run twice (its own run-to-run spread);
   * first step seconds (compile included), then ms per step over --steps steps (CUDA-synced),
     samples per second of the global batch, and the peak memory allocated per GPU;
   * the graphs Dynamo compiled (DDP's bucket boundaries split graphs: torch's DDPOptimizer).
@@ -76,6 +76,9 @@ def _wrap(model: nn.Module, strategy: str, backend: str, device: torch.device):
         return (torch.compile(ddp, **kwargs) if kwargs else ddp), model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    # FSDP2 shards contiguous parameters only (a channels-last conv weight raises in eager too):
+    # weights go back to contiguous, inputs stay channels-last
+    model.to(memory_format=torch.contiguous_format)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in _blocks(model):
         if kwargs:
@@ -131,6 +134,8 @@ def _run_one(name: str, strategy: str, backend: str, args, device: torch.device)
         step()
     _sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    if args.profile and rank == 0:
+        _profile(step, args.profile, device, f"{name} {strategy} {backend}")
     times = [torch.tensor([ms], device=device)]
     # a step is as slow as its slowest rank
     dist.all_reduce(times[0], op=dist.ReduceOp.MAX)
@@ -140,6 +145,29 @@ def _run_one(name: str, strategy: str, backend: str, args, device: torch.device)
                   samples_s=inputs[0].shape[0] / (times[0].item() / 1e3), peak_mib=peak, graphs=graphs)
     del fn, holder, model, opt
     return result, state
+
+
+def _profile(step, steps: int, device: torch.device, title: str, top: int = 12) -> None:
+    """Rank 0's GPU time per step by kernel (the other ranks run unprofiled alongside)."""
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(evt.name, [0.0, 0])
+            k[0] += evt.device_time / 1e3 / steps
+            k[1] += 1 / steps
+    busy = sum(v[0] for v in kernels.values())
+    print(f"## profile {title}: wall {wall:.2f} ms/step (profiled), GPU {busy:.2f} ms/step, "
+          f"{sum(v[1] for v in kernels.values()):.0f} kernels/step", flush=True)
+    for kname, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:8.3f} ms  {calls:5.0f}x  {kname[:110]}", flush=True)
 
 
 def _reference(name: str, args, device: torch.device, world: int) -> dict[str, torch.Tensor]:
@@ -157,16 +185,18 @@ def _reference(name: str, args, device: torch.device, world: int) -> dict[str, t
     return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
-def _error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+def _error(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
     """Largest relative L2 error over the parameters (a parameter near zero against the overall
-    parameter norm's share, as the zoo's gradient rule does)."""
+    parameter norm's share, as the zoo's gradient rule does), and that parameter's name."""
     total = math.sqrt(sum(r.double().norm().item() ** 2 for r in ref.values()))
     count = sum(r.numel() for r in ref.values())
-    worst = 0.0
+    worst, where = 0.0, ""
     for n, r in ref.items():
         floor = 1e-2 * total * math.sqrt(r.numel() / count)
-        worst = max(worst, (state[n].double() - r.double()).norm().item() / max(r.double().norm().item(), floor, 1e-30))
-    return worst
+        err = (state[n].double() - r.double()).norm().item() / max(r.double().norm().item(), floor, 1e-30)
+        if err > worst:
+            worst, where = err, n
+    return worst, where
 
 
 def _worker(rank: int, args, port: int, out: str) -> None:
@@ -195,10 +225,15 @@ def _worker(rank: int, args, port: int, out: str) -> None:
                         print(json.dumps(res), flush=True)
             if rank == 0:
                 ref = _reference(name, args, device, args.world)
+                # the reference against itself run again: how far apart two runs of the same
+                # program land (cuDNN's and cuBLAS's non-deterministic reductions, amplified by
+                # train-mode batch norm), the floor for the errors above
+                noise = _error(_reference(name, args, device, args.world), ref)[0]
                 for res in results:
                     key = (res["strategy"], res["backend"])
                     if res["model"] == name and key in states:
-                        res["param_err"] = _error(states[key], ref)
+                        res["param_err"], res["worst_param"] = _error(states[key], ref)
+                        res["ref_noise"] = noise
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
@@ -210,8 +245,8 @@ def _table(results: list[dict], args) -> str:
     lines = [f"<!-- python benchmarks/distributed_bench.py --device {args.device} --world {args.world} "
              f"--only {args.only} --steps {args.steps} -->",
              "| model | strategy | backend | ms / step | samples/s | vs Inductor | vs eager | first step s | "
-             "peak MiB / GPU | graphs | param error vs 1 process |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak MiB / GPU | graphs | param error vs 1 process (worst parameter) | 1 process vs itself |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["model"], r["strategy"], r["backend"]): r for r in results}
     for r in results:
         if "error" in r:
@@ -221,7 +256,8 @@ def _table(results: list[dict], args) -> str:
                                if "ms" in by.get((r["model"], r["strategy"], other), {}) else "-")
         lines.append(f"| {r['model']} | {r['strategy']} | {r['backend']} | {r['ms']:.2f} | {r['samples_s']:.1f} | "
                      f"{ratio('inductor')} | {ratio('eager')} | {r['first_s']:.1f} | {r['peak_mib']:.0f} | "
-                     f"{r['graphs']} | {r.get('param_err', float('nan')):.1e} |")
+                     f"{r['graphs']} | {r.get('param_err', float('nan')):.1e} ({r.get('worst_param', '-')}) | "
+                     f"{r.get('ref_noise', float('nan')):.1e} |")
     return "\n".join(lines)
 
 
@@ -236,6 +272,8 @@ def main() -> None:
                     help='zoo size (default: "gpu" on cuda, "tiny" on cpu)')
     ap.add_argument("--steps", type=int, default=20, help="timed steps")
     ap.add_argument("--out", help="write the markdown table to this file")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, print rank 0's GPU kernels over N steps (torch.profiler)")
     args = ap.parse_args()
     args.size = args.size or ("gpu" if args.device == "cuda" else "tiny")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:

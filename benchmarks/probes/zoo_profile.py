@@ -1,11 +1,14 @@
-"""Where a zoo row's GPU time goes: Inductor's kernels next to torchfuse's, by torch.profiler.
+"""Where a zoo row's time goes: Inductor's kernels next to torchfuse's, by torch.profiler.
 
     python benchmarks/probes/zoo_profile.py --only resnet18 --mode train [--top 15] [--steps 5]
+    python benchmarks/probes/zoo_profile.py --device cpu --only llama --mode train
 
 For each backend (eager, Inductor, torchfuse) the row's step is compiled, warmed up, then profiled
 for --steps steps.  Printed per backend: wall ms per step (back-to-back, host included), GPU ms
 per step (sum of kernel times) and the --top kernels by GPU time per step, with their call
-counts; so a gap shows up as the kernels one compiler spends more on.
+counts; so a gap shows up as the kernels one compiler spends more on.  On CPU (zoo "cpu" size)
+the table is self CPU time per op: ATen ops, and torchfuse's C++ kernels by name (the wrapper
+names each call for the profiler).
 """
 from __future__ import annotations
 
@@ -23,9 +26,14 @@ from zoo import TrainStep, compile_with  # noqa: E402
 from zoo_models import BY_NAME  # noqa: E402
 
 
-def _step(name: str, mode: str, dtype: torch.dtype, backend: str):
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _step(name: str, mode: str, dtype: torch.dtype, backend: str, device: str):
     zm = BY_NAME[name]
-    model, inputs = zm.make("gpu", "cuda", dtype)
+    model, inputs = zm.make("gpu" if device == "cuda" else "cpu", device, dtype)
     if mode == "train":
         model.train()
         step = TrainStep(model, compile_with(backend, model), zm.loss, inputs)
@@ -38,31 +46,37 @@ def _step(name: str, mode: str, dtype: torch.dtype, backend: str):
     return infer
 
 
-def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, top: int) -> str:
+def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, top: int,
+            device: str = "cuda") -> str:
     torch._dynamo.reset()
-    fn = _step(name, mode, dtype, backend)
+    fn = _step(name, mode, dtype, backend, device)
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     t = time.perf_counter()
     for _ in range(steps):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     wall = (time.perf_counter() - t) / steps * 1e3
     from torch.profiler import ProfilerActivity, profile as tprofile
-    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
+    with tprofile(activities=[activity]) as prof:
         for _ in range(steps):
             fn()
-        torch.cuda.synchronize()
+        _sync(device)
     kernels: dict[str, list[float]] = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(evt.name, [0.0, 0])
-            k[0] += evt.device_time / 1e3 / steps
-            k[1] += 1 / steps
-    gpu = sum(v[0] for v in kernels.values())
-    lines = [f"## {name} {mode} {dtype} {backend}: wall {wall:.2f} ms/step, GPU {gpu:.2f} ms/step, "
-             f"{sum(v[1] for v in kernels.values()):.0f} kernels/step"]
+    if device == "cuda":
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                k = kernels.setdefault(evt.name, [0.0, 0])
+                k[0] += evt.device_time / 1e3 / steps
+                k[1] += 1 / steps
+    else:   # self time, so that a kernel's time is not also counted in the call around it
+        for avg in prof.key_averages():
+            kernels[avg.key] = [avg.self_cpu_time_total / 1e3 / steps, avg.count / steps]
+    busy = sum(v[0] for v in kernels.values())
+    lines = [f"## {name} {mode} {dtype} {backend}: wall {wall:.2f} ms/step, {device.upper()} {busy:.2f} ms/step, "
+             f"{sum(v[1] for v in kernels.values()):.0f} {'kernels' if device == 'cuda' else 'ops'}/step"]
     for kname, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {ms:8.3f} ms  {calls:5.0f}x  {kname[:110]}")
     return "\n".join(lines)
@@ -72,6 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", required=True, help="comma-separated zoo model names")
     ap.add_argument("--mode", choices=("train", "infer"), default="train")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--backends", default="eager,inductor,torchfuse")
     ap.add_argument("--steps", type=int, default=5)
@@ -82,7 +97,7 @@ def main() -> None:
     for name in args.only.split(","):
         for backend in args.backends.split(","):
             try:
-                text = profile(name, args.mode, dtype, backend, args.steps, args.top)
+                text = profile(name, args.mode, dtype, backend, args.steps, args.top, args.device)
             except Exception as e:  # one failing backend must not lose the others' profiles
                 text = f"## {name} {args.mode} {backend}: failed: {type(e).__name__}: {str(e)[:300]}"
             print(text, flush=True)

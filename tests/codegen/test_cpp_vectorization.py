@@ -26,6 +26,7 @@ CASES = {
     "softmax": (lambda x: torch.softmax(x, -1), 3),
     "log_softmax": (lambda x: torch.log_softmax(x, -1), 3),
     "layer_norm": (lambda x: F.layer_norm(x, (256,)), 3),
+    "rotary_sin_cos": (lambda x: x * torch.cos(x[:1] * 0.1) + x.flip(-1) * torch.sin(x[:1] * 0.1), 1),
 }
 
 

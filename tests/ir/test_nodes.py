@@ -143,6 +143,17 @@ def test_floordiv_mod_unknown_range_splits_off_multiples():
     assert_equiv(mod(e, 4), lambda v: (v["i"] * 4 + v["j"]) % 4, {"i": 3, "j": 9})
 
 
+def test_quotient_below_the_modulus_drops_the_mod():
+    """(j // 32) % 4 with j < 128 is j // 32: the bound of a quotient is the bound of its dividend
+    divided.  A rotate_half over 4 heads of 32 read q at ((j // 32) % 4) * 32 + j % 32, which
+    then merges back into j: a contiguous load where g++ had emitted a gather."""
+    q = floordiv(j, 32)
+    assert mod(q, 4, R(j=128)) == q
+    assert mod(q, 4, R(j=129)).op == "mod"                 # 128 // 32 = 4 is not below 4
+    assert mod(floordiv(add(j, 5), 32), 4, R(j=123)).op == "floordiv"
+    assert N._merge_divmod(add(mul(mod(q, 4, R(j=128)), 32), mod(j, 32))) == j
+
+
 def test_nested_floordiv():
     assert floordiv(floordiv(i, 2), 3) == floordiv(i, 6)
     assert_equiv(floordiv(floordiv(i, 2), 3), lambda v: v["i"] // 6, {"i": 40})

@@ -270,11 +270,11 @@ def upper_bound(n: Node, ranges: Mapping[str, Node] | None = None) -> Node | Non
         return ranges.get(n.arg) if ranges else None
     if n.op == "mod":
         return n.args[1]
-    if n.op in ("add", "mul"):
+    if n.op in ("add", "mul", "floordiv"):
         lo_hi = _int_interval(n, ranges)
         if lo_hi and lo_hi[0] >= 0:
             return const(lo_hi[1] + 1)
-        return _symbolic_sum_bound(n, ranges)
+        return _symbolic_sum_bound(n, ranges) if n.op != "floordiv" else None
     return None
 
 

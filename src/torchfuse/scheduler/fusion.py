@@ -222,8 +222,17 @@ def _contiguous_along(member: Member) -> set[str]:
     if member.role in ("pointwise", "inner"):
         return _unit_vars(member.store)
     if member.role == "reduce":
-        return set().union(*(_unit_vars(ld.args[0]) for ld in loads(member.body)))
+        # the loads that span every loop of the member: a broadcast operand (a norm's weight
+        # [hidden] read by a column sum over [tokens, hidden]) is small and says nothing
+        indices = [ld.args[0] for ld in loads(member.body)]
+        spans = [_vars_of(i) for i in indices]
+        every = set().union(*spans)
+        return set().union(*(_unit_vars(i) for i, v in zip(indices, spans) if v == every))
     return set()
+
+
+def _vars_of(index: Node) -> set[str]:
+    return {n.arg for n in walk(index) if n.op == "var"}
 
 
 def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
@@ -247,9 +256,20 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
     written = {m.buffer.name for m in candidate.members}
     their_loads = [ld for m in candidate.members for ld in loads(m.body)]
     if candidate.kind == "reduction" or member.role == "reduce":
-        shared = written | {ld.arg for ld in their_loads}
-        if any(ld.arg in shared for ld in loads(member.body)):
-            return ""
+        # sharing is reading a buffer the kernel writes or reads, in the same order: the same
+        # element, or contiguous along a common loop.  A transposed read shares no cache line
+        # per step (an RMSNorm backward's row sums of g*w*x and the weight gradient's column sums
+        # of g*x_hat, [tokens, hidden] with tokens == hidden, read the same g and x across each
+        # other: one kernel gathered every load of both and vectorized neither)
+        seen: dict[str, list[Node]] = {}
+        for m in candidate.members:
+            seen.setdefault(m.buffer.name, []).append(m.store)
+        for ld in their_loads:
+            seen.setdefault(ld.arg, []).append(ld.args[0])
+        for ld in loads(member.body):
+            for index in seen.get(ld.arg, ()):
+                if index == ld.args[0] or _unit_vars(index) & _unit_vars(ld.args[0]):
+                    return ""
         return (f"{member.buffer.name} is contiguous along loops {sorted(mine)}, the kernel's members along "
                 f"{sorted(theirs)}: one of them would be read and written uncoalesced")
     same = {(ld.arg, ld.args[0]) for ld in their_loads}
