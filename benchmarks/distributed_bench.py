@@ -134,8 +134,8 @@ def _run_one(name: str, strategy: str, backend: str, args, device: torch.device)
         step()
     _sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    if args.profile and rank == 0:
-        _profile(step, args.profile, device, f"{name} {strategy} {backend}")
+    if args.profile:      # every rank steps (the collectives need them all), rank 0 profiles
+        _profile(step, args.profile, device, f"{name} {strategy} {backend}", report=rank == 0)
     times = [torch.tensor([ms], device=device)]
     # a step is as slow as its slowest rank
     dist.all_reduce(times[0], op=dist.ReduceOp.MAX)
@@ -147,10 +147,15 @@ def _run_one(name: str, strategy: str, backend: str, args, device: torch.device)
     return result, state
 
 
-def _profile(step, steps: int, device: torch.device, title: str, top: int = 12) -> None:
-    """Rank 0's GPU time per step by kernel (the other ranks run unprofiled alongside)."""
+def _profile(step, steps: int, device: torch.device, title: str, report: bool, top: int = 12) -> None:
+    """GPU time per step by kernel, printed by the rank that reports (the others only step)."""
     from torch.profiler import ProfilerActivity, profile
     _sync(device)
+    if not report:
+        for _ in range(steps):
+            step()
+        _sync(device)
+        return
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
