@@ -151,6 +151,30 @@ def test_training_step_gradients(tf):
     tf.assert_same(got, (x.grad, w.grad), atol=1e-5, rtol=1e-4)
 
 
+def test_batch_norm_training_over_new_sizes(tf):
+    """A train-mode conv + batch norm run at three input sizes: the second compiles one dynamic
+    graph, whose running-variance update casts an element count to float; with the sizes
+    substituted that count can be a plain constant, once emitted as `128.to(tl.float64)`, which
+    does not parse (FSDP2's per-block compile of a ResNet fell back to eager on every graph).
+    Outputs, running statistics and gradients equal eager's."""
+    def block():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(4, 8, 1, bias=False), torch.nn.BatchNorm2d(8),
+                                   torch.nn.ReLU()).train()
+    model, ref = block(), block()
+    compiled = torch.compile(model, backend="torchfuse", options={**TRITON, "strict": True})
+    for shape in ((2, 4, 6, 6), (3, 4, 5, 5), (2, 4, 4, 4)):
+        x = tf.rand(shape)
+        got, want = compiled(x), ref(x)
+        got.sum().backward()
+        want.sum().backward()
+        tf.assert_same(got, want, atol=1e-4, rtol=1e-4)
+        tf.assert_same((model[1].running_mean, model[1].running_var), (ref[1].running_mean, ref[1].running_var),
+                       atol=1e-5, rtol=1e-5)
+        tf.assert_same([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()],
+                       atol=1e-4, rtol=1e-4)
+
+
 def test_gpt2_inference(tf):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)

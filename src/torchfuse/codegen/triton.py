@@ -207,6 +207,11 @@ class TritonEmitter(ExprEmitter):
         if o == "cast":
             x = self.value(a[0]) if not (a[0].dtype == INDEX and a[0].op in ("add", "mul", "floordiv", "mod")) \
                 else self.index(a[0])
+            if x.lstrip("-").isdigit():
+                # an index that a size substitution made constant (the element count of a
+                # batch-norm's statistics, s0 * s1 * 256 / 128 with s1 = 2/s0 known): a Python
+                # int has no .to(), so `128.to(tl.float64)` would not even parse
+                x = literal(int(x), torch.int64)
             if dt == torch.bool:
                 return f"({x} != 0)"
             if dt in (torch.float16, torch.bfloat16):
