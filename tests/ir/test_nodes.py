@@ -154,6 +154,22 @@ def test_quotient_below_the_modulus_drops_the_mod():
     assert N._merge_divmod(add(mul(mod(q, 4, R(j=128)), 32), mod(j, 32))) == j
 
 
+def test_merge_divmod_with_a_divisor_that_is_a_sum():
+    """A channels-last map behind a stride-2 conv under dynamic shapes: its rows are n, h, w of
+    sizes (s0 - 1) // 2 + 1, so a batch norm's flat row index r came back as
+    ((r // w) % h) * w * 128 + (r // w // h) * h * w * 128 + (r % w) * 128: gathers, where the
+    address is r * 128, contiguous across rows.  A divisor with several terms merges too."""
+    s0, s1 = sym("s0"), sym("s1")
+    w = add(floordiv(add(s0, -1), 2), 1)
+    h = add(floordiv(add(s1, -1), 2), 1)
+    r = var("r")
+    flat = add(add(mul(mul(mod(floordiv(r, w), h), w), 128), mul(mul(mul(floordiv(floordiv(r, w), h), h), w), 128)),
+               mul(mod(r, w), 128))
+    assert flat == mul(r, 128)
+    partial = add(mul(mod(r, w), 128), mul(floordiv(r, w), 128))      # not k*w*(r // w): kept
+    assert partial != mul(r, 128) and any(f.op == "mod" for f in N.walk(partial))
+
+
 def test_nested_floordiv():
     assert floordiv(floordiv(i, 2), 3) == floordiv(i, 6)
     assert_equiv(floordiv(floordiv(i, 2), 3), lambda v: v["i"] // 6, {"i": 40})

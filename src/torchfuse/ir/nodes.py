@@ -430,43 +430,54 @@ def mod(a: "Node | int", d: "Node | int", ranges: Mapping[str, Node] | None = No
 
 
 def _merge_divmod(n: Node) -> Node:
-    """Rewrite `k*d*(m // d) + k*(m % d)` into `k*m`: the inverse of splitting one loop in two.
+    """Rewrite `C*d*(m // d) + C*(m % d)` into `C*m`: the inverse of splitting one loop in two.
     Repeated, it undoes a view's unflattening of one index into several dims
     (`((x // 14) % 14)*14*k + (x // 196)*196*k + (x % 14)*k` is `x*k`), which lets a consumer
-    that reads a reshaped buffer see that it reads element for element what it writes."""
+    that reads a reshaped buffer see that it reads element for element what it writes.
+
+    C is everything multiplying `m % d` (all the terms holding it, summed), and `C*d*(m // d)` is
+    matched term by term after expansion: a divisor that is a sum (a strided conv's output size
+    (s0 - 1) // 2 + 1), or equal sizes whose product expands into several terms (a square map,
+    w*w = q*q + 2q + 1), merge too."""
     if n.op != "add":
         return n
     terms = dict(_terms(n))       # edited below: a copy of the shared expansion
     changed = True
     while changed:
         changed = False
-        for key, coef in list(terms.items()):
-            mods = [f for f in key if f.op == "mod"]
-            for m in mods:
-                base, d = m.args
-                others = list(key)
-                others.remove(m)
-                dt = _terms(d)
-                if len(dt) != 1:
-                    continue
-                (dkey, dcoef), = dt.items()
-                # the quotient as floordiv() spells it: (m // a) // d is m // (a*d)
-                quotient = floordiv(base, d)
-                if quotient.op != "floordiv":
-                    continue
-                div_key = tuple(sorted(others + [quotient] + list(dkey), key=_order))
-                if terms.get(div_key) == coef * dcoef:
-                    del terms[key]
-                    del terms[div_key]
-                    for bkey, bcoef in _terms(base).items():
-                        nk = tuple(sorted(others + list(bkey), key=_order))
-                        terms[nk] = terms.get(nk, 0) + coef * bcoef
-                        if terms[nk] == 0:
-                            del terms[nk]
-                    changed = True
-                    break
-            if changed:
-                break
+        mods = sorted({f for key in terms for f in key if f.op == "mod"}, key=_order)
+        for m in mods:
+            base, d = m.args
+            # the quotient as floordiv() spells it: (m // a) // d is m // (a*d)
+            quotient = floordiv(base, d)
+            if quotient.op != "floordiv":
+                continue
+            carrier: list[tuple[tuple[Node, ...], list[Node], int]] = []    # (key, C's factors, coef)
+            for key, coef in terms.items():
+                if key.count(m) == 1:
+                    rest = list(key)
+                    rest.remove(m)
+                    carrier.append((key, rest, coef))
+            expected: dict[tuple[Node, ...], int] = {}
+            for _, rest, coef in carrier:
+                for dkey, dcoef in _terms(d).items():
+                    k = tuple(sorted(rest + [quotient] + list(dkey), key=_order))
+                    expected[k] = expected.get(k, 0) + coef * dcoef
+            expected = {k: c for k, c in expected.items() if c}
+            if not carrier or any(terms.get(k) != c for k, c in expected.items()):
+                continue
+            for key, _, _ in carrier:
+                del terms[key]
+            for k in expected:
+                del terms[k]
+            for _, rest, coef in carrier:
+                for bkey, bcoef in _terms(base).items():
+                    nk = tuple(sorted(rest + list(bkey), key=_order))
+                    terms[nk] = terms.get(nk, 0) + coef * bcoef
+                    if terms[nk] == 0:
+                        del terms[nk]
+            changed = True
+            break
     return _build(terms)
 
 
