@@ -23,6 +23,27 @@ def test_fuzz_programs():
                                f"{r.regression}):\n{r.failure}\n{r.error[:3000]}")
 
 
+def test_fuzz_programs_with_symbolic_sizes():
+    """The same programs compiled with dynamic=True: symbolic sizes reach every lowering and the
+    generated code (a size that substitution makes constant, a size-1 dim specialized)."""
+    examples = int(os.environ.get("TORCHFUSE_FUZZ_EXAMPLES", "40")) // 2
+    r = fuzz.run_fuzz(examples, seed=1, max_ops=6, options={"dynamic": True})
+    assert r.failure is None, (f"torchfuse disagrees with eager on this program (regression test written to "
+                               f"{r.regression}):\n{r.failure}\n{r.error[:3000]}")
+
+
+def test_triton_regression_files_run_under_the_interpreter(tmp_path):
+    """A program found with the Triton backend replays as a test that turns Triton's interpreter
+    on before triton is imported, and says so instead of failing when it cannot."""
+    prog = fuzz.Program([fuzz.InputSpec((4, 3), "float32")], ["v0 = torch.neg(a0)", "v1 = v0.sum(1)"], ["v1"])
+    prog.options = {"dynamic": True, "cpu_backend": "triton"}
+    source = fuzz.regression_source(prog, "Mismatch: example")
+    assert 'os.environ.setdefault("TRITON_INTERPRET", "1")' in source and 'pytest.importorskip("triton")' in source
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            fuzz.check_program(prog)
+
+
 def test_check_catches_a_wrong_kernel(monkeypatch):
     """The harness is not vacuous: a code generator that emits `+` for `-` is caught."""
     from torchfuse.codegen import cpp

@@ -474,7 +474,10 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> N
     em.line("xzero = tl.zeros([YBLOCK, XBLOCK], tl.int32)   # gives scalar addresses the tile's shape")
     rest = [k for k in range(len(plan.outer)) if k not in (xd, yd)]
     if rest:
-        em.line("zindex = pid // (xtiles * ytiles)")
+        # Triton's interpreter fails a mask that combines the tile's mask with a comparison of
+        # a program-id scalar (`xmask & (x1 < s0)`, a cat along a dim outside the tile:
+        # "mask has unsupported dtype"); there the scalar gets the tile's shape
+        em.line("zindex = pid // (xtiles * ytiles)" + (" + xzero" if em.interpreter else ""))
         stride = None
         for k in reversed(rest):
             base = "zindex" if stride is None else f"(zindex // ({stride}))"
@@ -643,7 +646,17 @@ def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) ->
             continue
         if stage.kind == "outer":
             em.mask = "xmask"
-            _emit_values(em, plan, stage.members, "xmask")
+            if persistent:
+                # A persistent kernel computes the reduced body for the whole [XBLOCK, RBLOCK]
+                # tile in this scope, a load that does not depend on r included (the sum of an
+                # expanded value): reused by a per-row member, its [XBLOCK, RBLOCK] shape would be
+                # stored through a [XBLOCK, 1] pointer.  Per-row members compute their own values
+                # (the looped variant's row loop has its own scope already).
+                tile_values, em.scopes[-1] = em.scopes[-1], {}
+                _emit_values(em, plan, stage.members, "xmask")
+                em.scopes[-1] = {**tile_values, **em.scopes[-1]}
+            else:
+                _emit_values(em, plan, stage.members, "xmask")
             continue
         variance = None if persistent else _variance_pair(stage, nxt)
         if not persistent:

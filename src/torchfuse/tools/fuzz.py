@@ -1,6 +1,7 @@
 """A random-program fuzzer: hypothesis builds small tensor programs, torchfuse must agree with eager.
 
     python -m torchfuse.tools.fuzz --examples 300 --seed 1 --max-ops 8
+    python -m torchfuse.tools.fuzz --dynamic [--triton]     # symbolic sizes; Triton's interpreter
 
 A program is straight-line Python over 1-4 input tensors: chains and DAGs of pointwise ops
 (with broadcasting and Python scalars), views (permute, transpose, slice, select, expand,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import os
 import re
 import sys
 import textwrap
@@ -525,22 +527,29 @@ def compare(got: Any, expected: Any, what: str, tol: tuple[float, float] | None 
 def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None = None) -> None:
     """Run `fn` eagerly and through torchfuse on copies of `inputs`; outputs and the inputs after
     the call (in-place ops) must match, floats within the tolerance of the least precise float
-    dtype the program computes in.  Build errors raise (strict mode)."""
+    dtype the program computes in.  Build errors raise (strict mode).  `options` are torchfuse's,
+    plus "dynamic": True to compile with symbolic sizes (torch.compile(dynamic=True)); with
+    "cpu_backend": "triton" the kernels run under Triton's interpreter."""
     from ..config import Config
     from ..frontend.dynamo import TorchfuseBackend
 
+    options = dict(options or {})
+    dynamic = bool(options.pop("dynamic", False))
+    if options.get("cpu_backend") == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton backend runs CPU tensors under Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported (before the first torch.compile)")
     eager_in, tf_in = copy.deepcopy(list(inputs)), copy.deepcopy(list(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected, dtypes = _eager_with_dtypes(fn, eager_in)
         torch._dynamo.reset()
         try:
-            backend = TorchfuseBackend(Config.from_options({"strict": True, **(options or {})}))
-            got = torch.compile(fn, backend=backend, dynamic=False)(*tf_in)
+            backend = TorchfuseBackend(Config.from_options({"strict": True, **options}))
+            got = torch.compile(fn, backend=backend, dynamic=dynamic)(*tf_in)
         except Exception as e:
             torch._dynamo.reset()
             try:
-                torch.compile(fn, backend="aot_eager", dynamic=False)(*copy.deepcopy(list(inputs)))
+                torch.compile(fn, backend="aot_eager", dynamic=dynamic)(*copy.deepcopy(list(inputs)))
             except Exception as e2:
                 raise NotTorchfuse(f"aot_eager fails too: {type(e2).__name__}: {e2}") from e
             if _outputs_share_storage(expected):
@@ -583,10 +592,10 @@ Found by `torchfuse.tools.fuzz` (hypothesis shrank it); the error was:
 
 {error}
 """
-import torch
+{preamble}import torch
 
 from torchfuse.tools.fuzz import InputSpec, check, make_inputs
-
+{triton_setup}
 INPUTS = [
 {inputs}
 ]
@@ -611,8 +620,13 @@ def regression_source(prog: Program, error: str) -> str:
     error = clean_error(error)
     err = textwrap.indent("\n".join(textwrap.wrap(" ".join(error.split())[:600], 92)), "    ")
     inputs = "\n".join(f"    {s!r}," for s in prog.inputs)
+    triton = prog.options.get("cpu_backend") == "triton"
+    # Triton reads TRITON_INTERPRET once, when it is imported (torchfuse's import does not)
+    preamble = "import os\n\nimport pytest\n" if triton else ""
+    setup = '\nos.environ.setdefault("TRITON_INTERPRET", "1")\npytest.importorskip("triton")\n' if triton else ""
     return REGRESSION_TEMPLATE.format(digest=prog.digest(), error=err.replace('"""', "'"), inputs=inputs,
-                                      source=prog.source(), options=prog.options)
+                                      source=prog.source(), options=prog.options, preamble=preamble,
+                                      triton_setup=setup)
 
 
 def write_regression(prog: Program, error: str, out_dir: Path | str = DEFAULT_REGRESSION_DIR) -> Path:
@@ -680,6 +694,8 @@ def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, 
         if "prog" not in last:
             raise
         state.failure, state.error = last["prog"], last["error"]
+        # the run's options (dynamic, the Triton backend) go into the regression test too
+        state.failure.options = {**state.failure.options, **(options or {})}
         if out_dir is not None:
             state.regression = write_regression(state.failure, state.error, out_dir)
     return state
@@ -694,9 +710,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not write a regression test")
     p.add_argument("--verbose", action="store_true", help="print every program")
     p.add_argument("--report-known", action="store_true", help="fail on the bugs of KNOWN_BUGS too")
+    p.add_argument("--dynamic", action="store_true", help="compile with symbolic sizes (dynamic=True)")
+    p.add_argument("--triton", action="store_true", help="the Triton backend, under Triton's interpreter")
     a = p.parse_args(argv)
+    if a.triton:
+        os.environ.setdefault("TRITON_INTERPRET", "1")      # before anything imports triton
+    options = {**({"dynamic": True} if a.dynamic else {}), **({"cpu_backend": "triton"} if a.triton else {})}
     r = run_fuzz(a.examples, seed=a.seed, max_ops=a.max_ops, out_dir=None if a.no_write else a.out_dir,
-                 verbose=a.verbose, ignore_known=not a.report_known)
+                 options=options or None, verbose=a.verbose, ignore_known=not a.report_known)
     known = f" ({r.known} hit a known bug of KNOWN_BUGS)" if r.known else ""
     if r.failure is None:
         print(f"{r.examples} programs: no failure{known}")
