@@ -175,6 +175,17 @@ def test_batch_norm_training_over_new_sizes(tf):
                        atol=1e-4, rtol=1e-4)
 
 
+def test_argmax_argmin_with_nan_and_infinities(tf):
+    """A NaN wins argmax and argmin, also over an infinity of the same sign as the best (eager's
+    rule); ties go to the first index; a 0-d input's argmin of a NaN is 0 (it was the sentinel
+    2147483647, found by the fuzzer)."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[inf, nan, 1.0], [-inf, 2.0, nan], [3.0, 1.0, 1.0], [nan, nan, 0.0], [-inf, -inf, 5.0]])
+    for fn in (lambda t: t.argmax(1), lambda t: t.argmin(1), lambda t: t.argmax(0), lambda t: t.argmin(0)):
+        _check(tf, fn, x)
+    _check(tf, lambda t: torch.sqrt(t).argmin(0), torch.tensor(-2.0))
+
+
 def test_gpt2_inference(tf):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=32)

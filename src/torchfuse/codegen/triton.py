@@ -753,12 +753,17 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
     else:
         idx = f"{acc}_i"
     if op in ("argmax", "argmin"):
-        # first index among the lanes holding the best value (NaN counts as the largest)
+        # first index among the lanes holding the best value; a NaN beats every value, as in
+        # eager's argmax and argmin alike (also an infinity, and also for argmin)
         best_fn = "tl.max" if op == "argmax" else "tl.min"
-        key = em.tmp(f"tl.where({acc} != {acc}, 1e999, {acc})" if op == "argmax" and dt.is_floating_point else acc)
-        best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
         idx_full = em.tmp(f"tl.broadcast_to({idx}, [XBLOCK, RBLOCK])" if idx == "rindex" else idx)
-        result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None].to(tl.int64)")
+        key = em.tmp(f"tl.where({acc} != {acc}, {_init(op, dt)}, {acc})" if dt.is_floating_point else acc)
+        best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
+        result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None]")
+        if dt.is_floating_point:
+            first_nan = em.tmp(f"tl.min(tl.where({acc} != {acc}, {idx_full}, 2147483647), 1)[:, None]")
+            result = em.tmp(f"tl.where({first_nan} < 2147483647, {first_nan}, {result})")
+        result = em.tmp(f"{result}.to(tl.int64)")
     elif result is None:
         result = em.tmp(_row_reduce(op, dt, acc, em))
     value = em.tmp(f"{result}.to({STORE_TL[m.buffer.dtype]}).to({TL[m.buffer.dtype]})")
