@@ -161,6 +161,11 @@ def literal(value, dtype: torch.dtype) -> str:
     return f"tl.full([1], {int(value)}, {TL[dtype]})"
 
 
+def _only_constants(n: Node) -> bool:
+    """No load, loop variable or size symbol below `n`: Triton folds it to a Python number."""
+    return all(x.op == "const" for x in walk(n) if not x.args)
+
+
 class TritonEmitter(ExprEmitter):
     """Node DAGs as Triton statements (see ExprEmitter for the shared CSE machinery)."""
     INDENT = "    "
@@ -187,6 +192,16 @@ class TritonEmitter(ExprEmitter):
         return f"tl.where({mask}, {value}, 0)"
 
     def _expr(self, n: Node) -> str:
+        expr = self._expr_of(n)
+        if ((n.op in _INFIX or n.op in ("neg", "floordiv", "mod")) and n.dtype in TL
+                and all(x.op == "const" and x.dtype == INDEX for x in n.args)):
+            # a temporary computed from literals alone (0 + 2: an int64 literal is printed bare)
+            # is a Python number in Triton: give it a dtype and a shape, as its users (.to(), a
+            # store) expect of every temporary
+            return f"tl.full([1], {expr}, {TL[n.dtype]})"
+        return expr
+
+    def _expr_of(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
         if o == "load":
             mask = self.mask
@@ -205,13 +220,13 @@ class TritonEmitter(ExprEmitter):
                 raw += ".to(tl.int1)"
             return raw
         if o == "cast":
-            x = self.value(a[0]) if not (a[0].dtype == INDEX and a[0].op in ("add", "mul", "floordiv", "mod")) \
-                else self.index(a[0])
-            if x.lstrip("-").isdigit():
-                # an index that a size substitution made constant (the element count of a
-                # batch-norm's statistics, s0 * s1 * 256 / 128 with s1 = 2/s0 known): a Python
-                # int has no .to(), so `128.to(tl.float64)` would not even parse
-                x = literal(int(x), torch.int64)
+            inline = a[0].dtype == INDEX and a[0].op in ("add", "mul", "floordiv", "mod")
+            x = self.index(a[0]) if inline else self.value(a[0])
+            if a[0].dtype == INDEX and (inline or a[0].op == "const") and _only_constants(a[0]):
+                # an integer that a size substitution made constant (the element count of a
+                # batch-norm's statistics) or that folds from constants (0 + 2): Triton keeps it
+                # a Python int, which has no .to(), and `128.to(tl.float64)` does not even parse
+                x = f"tl.full([1], {x}, tl.int64)"
             if dt == torch.bool:
                 return f"({x} != 0)"
             if dt in (torch.float16, torch.bfloat16):
