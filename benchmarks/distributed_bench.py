@@ -162,17 +162,13 @@ def _profile(step, steps: int, device: torch.device, title: str, report: bool, t
             step()
         _sync(device)
     wall = (time.perf_counter() - t0) * 1e3 / steps
-    kernels: dict[str, list[float]] = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(evt.name, [0.0, 0])
-            k[0] += evt.device_time / 1e3 / steps
-            k[1] += 1 / steps
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
+    from zoo_profile import cuda_kernels, top_lines   # the zoo probe's table
+    kernels = cuda_kernels(prof, steps)
     busy = sum(v[0] for v in kernels.values())
     print(f"## profile {title}: wall {wall:.2f} ms/step (profiled), GPU {busy:.2f} ms/step, "
           f"{sum(v[1] for v in kernels.values()):.0f} kernels/step", flush=True)
-    for kname, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {ms:8.3f} ms  {calls:5.0f}x  {kname[:110]}", flush=True)
+    print("\n".join(top_lines(kernels, top)), flush=True)
 
 
 def _reference(name: str, args, device: torch.device, world: int) -> dict[str, torch.Tensor]:

@@ -64,22 +64,30 @@ def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, 
         for _ in range(steps):
             fn()
         _sync(device)
-    kernels: dict[str, list[float]] = {}
     if device == "cuda":
-        for evt in prof.events():
-            if evt.device_type == torch.autograd.DeviceType.CUDA:
-                k = kernels.setdefault(evt.name, [0.0, 0])
-                k[0] += evt.device_time / 1e3 / steps
-                k[1] += 1 / steps
+        kernels = cuda_kernels(prof, steps)
     else:   # self time, so that a kernel's time is not also counted in the call around it
-        for avg in prof.key_averages():
-            kernels[avg.key] = [avg.self_cpu_time_total / 1e3 / steps, avg.count / steps]
+        kernels = {avg.key: [avg.self_cpu_time_total / 1e3 / steps, avg.count / steps] for avg in prof.key_averages()}
     busy = sum(v[0] for v in kernels.values())
     lines = [f"## {name} {mode} {dtype} {backend}: wall {wall:.2f} ms/step, {device.upper()} {busy:.2f} ms/step, "
              f"{sum(v[1] for v in kernels.values()):.0f} {'kernels' if device == 'cuda' else 'ops'}/step"]
-    for kname, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"  {ms:8.3f} ms  {calls:5.0f}x  {kname[:110]}")
-    return "\n".join(lines)
+    return "\n".join(lines + top_lines(kernels, top))
+
+
+def cuda_kernels(prof, steps: int) -> dict[str, list[float]]:
+    """{kernel name: [ms per step, calls per step]} of the CUDA kernels a torch.profiler run saw."""
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(evt.name, [0.0, 0])
+            k[0] += evt.device_time / 1e3 / steps
+            k[1] += 1 / steps
+    return kernels
+
+
+def top_lines(kernels: dict[str, list[float]], top: int) -> list[str]:
+    return [f"  {ms:8.3f} ms  {calls:5.0f}x  {name[:110]}"
+            for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
 def main() -> None:

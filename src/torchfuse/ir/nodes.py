@@ -459,8 +459,9 @@ def _merge_divmod(n: Node) -> Node:
                     rest.remove(m)
                     carrier.append((key, rest, coef))
             expected: dict[tuple[Node, ...], int] = {}
+            dterms, bterms = _terms(d), _terms(base)
             for _, rest, coef in carrier:
-                for dkey, dcoef in _terms(d).items():
+                for dkey, dcoef in dterms.items():
                     k = tuple(sorted(rest + [quotient] + list(dkey), key=_order))
                     expected[k] = expected.get(k, 0) + coef * dcoef
             expected = {k: c for k, c in expected.items() if c}
@@ -471,7 +472,7 @@ def _merge_divmod(n: Node) -> Node:
             for k in expected:
                 del terms[k]
             for _, rest, coef in carrier:
-                for bkey, bcoef in _terms(base).items():
+                for bkey, bcoef in bterms.items():
                     nk = tuple(sorted(rest + list(bkey), key=_order))
                     terms[nk] = terms.get(nk, 0) + coef * bcoef
                     if terms[nk] == 0:
