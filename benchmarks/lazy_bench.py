@@ -13,7 +13,10 @@ Four parts, printed as one markdown table:
   2. a 6-op pointwise chain on a large tensor: eager vs lazy (steady state: the compiled graph
      comes from the cache) vs torch.compile(backend="torchfuse");
   3. GPT-2 (HuggingFace, random weights) inference under no_grad at three batch x sequence
-     sizes: eager vs floor vs lazy vs torch.compile(backend="torchfuse").
+     sizes: eager vs floor vs lazy (the model compiled from its second call in a block,
+     lazy/capture.py) vs lazy recording every op (capture_modules=False) vs
+     torch.compile(backend="torchfuse");
+  4. a GPT-2 training step: eager vs lazy vs lazy recording every op.
 Times are medians over interleaved repeats; "lazy vs eager" is eager time / lazy time.
 """
 from __future__ import annotations
@@ -184,8 +187,13 @@ def gpt2(device: str, layers: int, embd: int, seq: int, batch: int, repeats: int
             out = model(ids).logits
         return out
 
+    def lazy_recording() -> torch.Tensor:
+        with torch.no_grad(), torchfuse.lazy(capture_modules=False):
+            out = model(ids).logits
+        return out
+
     def lazy_eager_mm() -> torch.Tensor:
-        with torch.no_grad(), torchfuse.lazy(defer_matmuls=False):
+        with torch.no_grad(), torchfuse.lazy(defer_matmuls=False, capture_modules=False):
             out = model(ids).logits
         return out
 
@@ -198,11 +206,53 @@ def gpt2(device: str, layers: int, embd: int, seq: int, batch: int, repeats: int
             return model(ids).logits
 
     ref = eager()
-    torch.testing.assert_close(lazy(), ref, atol=1e-4, rtol=1e-4)
+    for _ in range(2):       # the first call is recorded, the second compiles the model (capture.py)
+        torch.testing.assert_close(lazy(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lazy_recording(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lazy_eager_mm(), ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(comp(), ref, atol=1e-3, rtol=1e-3)
-    return timeit({"eager": eager, "floor": floor, "lazy": lazy, "lazy(defer_matmuls=False)": lazy_eager_mm,
-                   "torch.compile(torchfuse)": comp}, device, repeats, inner=2)
+    return timeit({"eager": eager, "floor": floor, "lazy": lazy, "lazy(capture_modules=False)": lazy_recording,
+                   "lazy(defer_matmuls=False)": lazy_eager_mm, "torch.compile(torchfuse)": comp},
+                  device, repeats, inner=2)
+
+
+def gpt2_training(device: str, layers: int, embd: int, seq: int, batch: int, repeats: int) -> dict[str, float]:
+    """A training step (forward, loss, backward, SGD step, zero_grad): eager, lazy (the model's
+    calls compiled from the second step), lazy recording every op."""
+    import transformers
+    torch.manual_seed(0)
+    # (no dropout: compiled code draws other random numbers than eager, and the losses are compared)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=embd, n_head=max(1, embd // 64), vocab_size=2048,
+                                  n_positions=max(seq, 64), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    models = {k: transformers.GPT2LMHeadModel(cfg).train().to(device) for k in ("eager", "lazy", "recording")}
+    for m in models.values():
+        m.load_state_dict(models["eager"].state_dict())
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    ids = torch.randint(0, 2048, (batch, seq), device=device)
+    blocks = {"lazy": torchfuse.lazy(), "recording": torchfuse.lazy(capture_modules=False)}
+
+    def step(k: str) -> torch.Tensor:
+        loss = models[k](ids, labels=ids).loss
+        loss.backward()
+        opts[k].step()
+        opts[k].zero_grad()
+        return loss.detach()
+
+    def runner(k: str) -> Callable[[], torch.Tensor]:
+        if k == "eager":
+            return lambda: step(k)
+
+        def run() -> torch.Tensor:
+            with blocks[k]:
+                return step(k)
+        return run
+    fns = {k: runner(k) for k in models}
+    for _ in range(2):
+        losses = {k: fn() for k, fn in fns.items()}
+        torch.testing.assert_close(losses["lazy"], losses["eager"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(losses["recording"], losses["eager"], atol=1e-4, rtol=1e-4)
+    return timeit({"eager": fns["eager"], "lazy": fns["lazy"], "lazy(capture_modules=False)": fns["recording"]},
+                  device, repeats, inner=1)
 
 
 def lazy_flush_profile(device: str, layers: int, embd: int, seq: int, batch: int, defer: bool = True) -> str:
@@ -213,9 +263,9 @@ def lazy_flush_profile(device: str, layers: int, embd: int, seq: int, batch: int
     model = transformers.GPT2LMHeadModel(cfg).eval().to(device)
     ids = torch.randint(0, 2048, (batch, seq), device=device)
     with torch.no_grad():
-        with torchfuse.lazy(defer_matmuls=defer):
+        with torchfuse.lazy(defer_matmuls=defer, capture_modules=False):
             out = model(ids).logits          # held: dropped values are never computed
-        with torchfuse.lazy(defer_matmuls=defer) as ctx:
+        with torchfuse.lazy(defer_matmuls=defer, capture_modules=False) as ctx:
             out = model(ids).logits
     del out
     ops = sum(f.ops for f in ctx.flushes)
@@ -263,12 +313,25 @@ def main() -> None:
         prof = lazy_flush_profile(device, layers, embd, seq, batch)
         lines.append(f"| GPT-2 inference (n_layer={layers}, n_embd={embd}, batch={batch}, seq={seq}) | "
                      f"{1e3 * t['eager']:.2f} ms | {1e3 * t['floor']:.2f} ms | {1e3 * t['lazy']:.2f} ms | "
-                     f"{1e3 * t['torch.compile(torchfuse)']:.2f} ms | {t['eager'] / t['lazy']:.2f}x | {prof} |")
+                     f"{1e3 * t['torch.compile(torchfuse)']:.2f} ms | {t['eager'] / t['lazy']:.2f}x | "
+                     f"model compiled from its 2nd call |")
+        t1 = t["lazy(capture_modules=False)"]
+        lines.append(f"| same, lazy(capture_modules=False) | {1e3 * t['eager']:.2f} ms | - | {1e3 * t1:.2f} ms | - | "
+                     f"{t['eager'] / t1:.2f}x | every op recorded: {prof} |")
         if (batch, seq) == shapes[1]:
             prof = lazy_flush_profile(device, layers, embd, seq, batch, defer=False)
             t2 = t["lazy(defer_matmuls=False)"]
-            lines.append(f"| same, lazy(defer_matmuls=False) | {1e3 * t['eager']:.2f} ms | - | {1e3 * t2:.2f} ms | - | "
-                         f"{t['eager'] / t2:.2f}x | {prof} |")
+            lines.append(f"| same, lazy(defer_matmuls=False, capture_modules=False) | {1e3 * t['eager']:.2f} ms | - | "
+                         f"{1e3 * t2:.2f} ms | - | {t['eager'] / t2:.2f}x | {prof} |")
+    if t is not None:
+        batch, seq = shapes[1]
+        t = gpt2_training(device, layers, embd, seq, batch, reps)
+        lines.append(f"| GPT-2 training step (n_layer={layers}, n_embd={embd}, batch={batch}, seq={seq}) | "
+                     f"{1e3 * t['eager']:.2f} ms | - | {1e3 * t['lazy']:.2f} ms | - | {t['eager'] / t['lazy']:.2f}x | "
+                     f"forward and backward compiled from the 2nd step |")
+        t1 = t["lazy(capture_modules=False)"]
+        lines.append(f"| same, lazy(capture_modules=False) | {1e3 * t['eager']:.2f} ms | - | {1e3 * t1:.2f} ms | - | "
+                     f"{t['eager'] / t1:.2f}x | every op recorded |")
     print("\n".join(lines))
 
 

@@ -1,6 +1,7 @@
 """A real model under torchfuse.lazy: HuggingFace GPT-2 (small config, random weights) in eval
 mode under no_grad matches eager, with both attention implementations; a second forward pass
-builds nothing; a training step (forward and backward recorded) gives eager's gradients."""
+builds nothing; a training step (forward and backward recorded) gives eager's gradients.  Every
+op is recorded (`capture_modules=False`): compiled module calls are tested in test_lazy_capture.py."""
 from __future__ import annotations
 
 import copy
@@ -27,7 +28,7 @@ def test_gpt2_inference_matches_eager(attn):
     ids = torch.randint(0, 500, (2, 16))
     with torch.no_grad():
         ref = model(ids).logits
-        with torchfuse.lazy(options={"strict": True}) as ctx:
+        with torchfuse.lazy(capture_modules=False, options={"strict": True}) as ctx:
             out = model(ids).logits
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert ctx.kernels >= 8, ctx.explain()
@@ -35,7 +36,7 @@ def test_gpt2_inference_matches_eager(attn):
         assert fused, ctx.explain()
         # A second pass is served from the cache: no graph compiled, no kernel built.
         builds, graphs = counters["kernel_builds"], counters["graphs_compiled"]
-        with torchfuse.lazy(options={"strict": True}) as ctx2:
+        with torchfuse.lazy(capture_modules=False, options={"strict": True}) as ctx2:
             out2 = model(ids).logits
         torch.testing.assert_close(out2, ref, atol=1e-4, rtol=1e-4)
         assert counters["kernel_builds"] == builds and counters["graphs_compiled"] == graphs
@@ -47,7 +48,7 @@ def test_gpt2_generate_loop_matches_eager():
     ids = torch.randint(0, 500, (1, 5))
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        with torchfuse.lazy():
+        with torchfuse.lazy(capture_modules=False):
             out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)
 
@@ -60,7 +61,7 @@ def test_gpt2_training_step_grads_match():
             m.p = 0.0
     ref = copy.deepcopy(model)
     ids = torch.randint(0, 500, (2, 12))
-    with torchfuse.lazy():
+    with torchfuse.lazy(capture_modules=False):
         loss = model(ids, labels=ids).loss
         loss.backward()
     ref_loss = ref(ids, labels=ids).loss

@@ -1,7 +1,8 @@
 """Training under torchfuse.lazy.  The lazy mode sits below autograd: the forward's ops and the
 backward pass's ops are both recorded and fused, a backward pass ends with one flush of the
 gradients it produced, and gradients, optimizer updates and batch-norm statistics equal eager's
--- across steps, new batch sizes and gradient accumulation."""
+-- across steps, new batch sizes and gradient accumulation.  The blocks record every op
+(`capture_modules=False`): compiled module calls are tested in test_lazy_capture.py."""
 from __future__ import annotations
 
 import copy
@@ -41,7 +42,7 @@ def test_mlp_step_fuses_forward_and_backward():
     model = mlp()
     ref = copy.deepcopy(model)
     x, y = torch.randn(6, 12), torch.randn(6, 4)
-    with torchfuse.lazy(options={"strict": True}) as ctx:
+    with torchfuse.lazy(capture_modules=False, options={"strict": True}) as ctx:
         loss = F.mse_loss(model(x), y)
         value = loss.item()
         loss.backward()
@@ -63,7 +64,7 @@ def test_gradient_accumulation_is_recorded_too():
     model = mlp()
     ref = copy.deepcopy(model)
     batches = [(torch.randn(5, 12), torch.randn(5, 4)) for _ in range(3)]
-    with torchfuse.lazy(options={"strict": True}) as ctx:
+    with torchfuse.lazy(capture_modules=False, options={"strict": True}) as ctx:
         for x, y in batches:
             F.mse_loss(model(x), y).backward()       # `p.grad += g` from the second pass on
     for x, y in batches:
@@ -78,7 +79,7 @@ def test_accumulating_into_a_viewed_gradient_stays_eager():
     model = mlp()
     ref = copy.deepcopy(model)
     x, y = torch.randn(5, 12), torch.randn(5, 4)
-    with torchfuse.lazy(options={"strict": True}):
+    with torchfuse.lazy(capture_modules=False, options={"strict": True}):
         F.mse_loss(model(x), y).backward()
         row = model[0].weight.grad[0]                # a view: must see the next accumulation
         F.mse_loss(model(x), y).backward()
@@ -95,7 +96,7 @@ def test_cnn_step_with_batch_norm_matches_eager():
         x, y = torch.randn(b, 3, 12, 12), torch.randint(0, 5, (b,))
         model.zero_grad()
         ref.zero_grad()
-        with torchfuse.lazy(options={"strict": True}) as ctx:
+        with torchfuse.lazy(capture_modules=False, options={"strict": True}) as ctx:
             loss = F.cross_entropy(model(x), y)
             loss.backward()
         ref_loss = F.cross_entropy(ref(x), y)
@@ -127,7 +128,7 @@ def test_gpt2_training_steps_with_new_batch_sizes():
     for b in (2, 3, 5):
         ids = torch.randint(0, 500, (b, 12))
         before = counters["graphs_compiled"]
-        with torchfuse.lazy(options={"strict": True}) as ctx:
+        with torchfuse.lazy(capture_modules=False, options={"strict": True}) as ctx:
             loss = model(ids, labels=ids).loss
             value = loss.item()
             loss.backward()
@@ -158,7 +159,7 @@ def test_fifty_steps_with_changing_batch_sizes_compile_a_bounded_number_of_graph
     compiled = []
     for b in sizes:
         x, y = torch.randn(b, 10), torch.randint(0, 3, (b,))
-        with torchfuse.lazy(options={"strict": True}):
+        with torchfuse.lazy(capture_modules=False, options={"strict": True}):
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -176,7 +177,7 @@ def test_fifty_steps_with_changing_batch_sizes_compile_a_bounded_number_of_graph
 def test_flush_log_prints_as_a_table():
     model = mlp()
     x, y = torch.randn(3, 12), torch.randn(3, 4)
-    with torchfuse.lazy() as ctx:
+    with torchfuse.lazy(capture_modules=False) as ctx:
         loss = F.mse_loss(model(x), y)
         value = loss.item()
         loss.backward()
@@ -205,7 +206,7 @@ def test_training_with_flushes_cut_inside_forward_and_backward(pipeline_ops):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, foreach=True)
     for b in (2, 3):
         ids = torch.randint(0, 300, (b, 10))
-        with torchfuse.lazy(options={"strict": True}, pipeline_ops=pipeline_ops) as ctx:
+        with torchfuse.lazy(capture_modules=False, options={"strict": True}, pipeline_ops=pipeline_ops) as ctx:
             loss = model(ids, labels=ids).loss
             loss.backward()
             opt.step()

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 
 from ..report import Explanation
 from ..config import Config
-from . import trace
+from . import capture, trace
 from .cache import config_token
 from .graph import FlushLog, FlushRecord, LazyNode, flush
 from .mode import LazyMode
@@ -127,12 +127,14 @@ class LazyContext:
     """
 
     def __init__(self, options: Mapping[str, Any] | None = None, max_nodes: int = DEFAULT_MAX_NODES,
-                 defer_matmuls: bool = True, dynamic: bool | None = True, pipeline_ops: int | None = None):
+                 defer_matmuls: bool = True, dynamic: bool | None = True, pipeline_ops: int | None = None,
+                 capture_modules: bool = True):
         self.config = _config(options)
         self.token = config_token(self.config)  # the config's part of compiled-graph cache keys
         self.max_nodes = max_nodes
         self.defer_matmuls = defer_matmuls      # record matmuls/attention/convolutions too
         self.dynamic = dynamic                  # symbolic sizes: True, False, None = from the 2nd size
+        self.capture_modules = capture_modules  # top-level modules compiled from their 2nd call
         self.forced_fallbacks = frozenset(self.config.fallback_ops)
         self.flushes = FlushLog()               # the newest MAX_LOG flushes at most
         self.num_flushes = 0                    # all flushes, including those trimmed from the log
@@ -169,6 +171,7 @@ class LazyContext:
         _push_mode(mode)
         self._entered.append((mode, outer))
         _state.contexts.append(self)
+        capture.block_entered()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -181,6 +184,7 @@ class LazyContext:
             if _state.contexts[i] is self:
                 del _state.contexts[i]
                 break
+        capture.block_exited()
         try:
             self.flush_all("end of the lazy block")
         except Exception:
@@ -243,6 +247,13 @@ class LazyContext:
         self.work = 0
         log.debug("lazy block %d: flush: %s", self.id, record)
 
+    def log_module_call(self, record: FlushRecord) -> None:
+        """A compiled module call (capture.py) in the flush log."""
+        self.flushes.append(record)
+        self.num_flushes += 1
+        if len(self.flushes) > MAX_LOG:
+            del self.flushes[:MAX_LOG // 2]
+
     def _log_compile(self, report: Explanation) -> None:
         self.report.graphs += report.graphs
         self.report.kernels += report.kernels
@@ -290,7 +301,7 @@ def _plain(t: LazyTensor) -> torch.Tensor:
 
 def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None,
          max_nodes: int = DEFAULT_MAX_NODES, defer_matmuls: bool = True, dynamic: bool | None = True,
-         pipeline_ops: int | None = None) -> Any:
+         pipeline_ops: int | None = None, capture_modules: bool = True) -> Any:
     """Eager micro-fusion: inside the block fusible aten ops are recorded and compiled in
     batches by torchfuse when their results are needed.
 
@@ -309,12 +320,15 @@ def lazy(fn: Callable | None = None, *, options: Mapping[str, Any] | None = None
     CUDA_PIPELINE_MIN_WORK elements or more (small work is not worth an extra flush; once on,
     a block stays on, so its cuts do not move with the sizes); off on CPU (C++ kernels run on
     the recording thread: nothing to overlap); 0: off; n: every n ops on every device.
+    `capture_modules` (default on): a module called at the block's top level runs compiled
+    (Dynamo + torchfuse, forward and backward) from its second call on (see `capture.py`); off,
+    its ops are recorded one by one on every call.
     """
     if fn is not None:
         if not callable(fn):
             raise TypeError("torchfuse.lazy: pass options by keyword: torchfuse.lazy(options={...})")
-        return LazyContext(options, max_nodes, defer_matmuls, dynamic, pipeline_ops)(fn)
-    return LazyContext(options, max_nodes, defer_matmuls, dynamic, pipeline_ops)
+        return LazyContext(options, max_nodes, defer_matmuls, dynamic, pipeline_ops, capture_modules)(fn)
+    return LazyContext(options, max_nodes, defer_matmuls, dynamic, pipeline_ops, capture_modules)
 
 
 # --------------------------------------------------------------------------------------------

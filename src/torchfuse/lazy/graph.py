@@ -283,7 +283,8 @@ class FlushLog(list):
         rows = [("#", "reason", "ops", "outputs", "kernels", "graph", "ms")]
         for i, f in enumerate(self):
             reason = f.reason if len(f.reason) <= width else f.reason[:width - 3] + "..."
-            src = "eager" if f.graph == "eager" else ("cache hit" if f.cache_hit else "compiled")
+            src = "eager" if f.graph == "eager" else "module" if f.graph == "module" else \
+                ("cache hit" if f.cache_hit else "compiled")
             rows.append((str(i), reason, str(f.ops), str(f.outputs), str(f.kernels), src, f"{f.ms:.2f}"))
         rows.append(("", "total", str(sum(f.ops for f in self)), str(sum(f.outputs for f in self)),
                      str(sum(f.kernels for f in self)), f"{sum(not f.cache_hit for f in self)} compiled",
