@@ -83,6 +83,52 @@ def test_gpt2_cuda_inference_and_training():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=n)
 
 
+def test_gpt2_cuda_training_with_symbolic_sizes():
+    """dynamic=True: memory-efficient attention's log-sum-exp has ceil(S / 32) * 32 rows and the
+    causal mask S*S-strided rows; every graph compiles (no eager fallback) at sequence lengths
+    that are not multiples of 8, and matches eager."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
+                                  resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    torch.manual_seed(0)
+    m = transformers.GPT2LMHeadModel(cfg).cuda()
+    ref_m = transformers.GPT2LMHeadModel(cfg).cuda()
+    ref_m.load_state_dict(m.state_dict())
+    step = torch.compile(lambda ids: m(ids, labels=ids).loss, backend="torchfuse", dynamic=True)
+    fallbacks = torchfuse.counters["eager_fallbacks"]
+    for batch, seq in [(2, 64), (3, 77), (2, 45)]:
+        ids = torch.randint(0, 1000, (batch, seq), device="cuda")
+        loss = step(ids)
+        loss.backward()
+        ref = ref_m(ids, labels=ids).loss
+        ref.backward()
+        _close(loss, ref, torch.float32)
+        for (n, p), (_, q) in zip(m.named_parameters(), ref_m.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=n)
+            p.grad = q.grad = None
+    assert torchfuse.counters["eager_fallbacks"] == fallbacks
+
+
+def test_float_attribute_under_dynamic_reaches_kernels_on_the_device():
+    """dynamic=True passes an unspecialized float (an RMSNorm's epsilon) as a 0-d CPU tensor;
+    the Triton kernels read a copy on the GPU (passes/host_scalars.py)."""
+    class RMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(96, device="cuda"))
+            self.eps = 1e-6
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    m = RMSNorm()
+    f = torch.compile(m, backend="torchfuse", dynamic=True)
+    for rows, eps in [(5, 1e-6), (9, 1e-2)]:
+        m.eps = eps
+        x = torch.randn(rows, 96, device="cuda") * 0.05
+        _close(f(x), m(x), torch.float32)
+
+
 def test_new_batch_size_no_rebuild_cuda():
     f = torch.compile(lambda x: torch.softmax(x * 2, -1) + 1, backend="torchfuse")
     for b in (3, 5):

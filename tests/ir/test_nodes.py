@@ -335,6 +335,21 @@ def test_symbolic_max_in_sizes():
     assert eval(expr, {"s0": 64}) == 12 and eval(expr, {"s0": 1000}) == 1
 
 
+def test_symbolic_ceil_and_floor_of_a_quotient_in_sizes():
+    # memory-efficient attention's log-sum-exp has ceil(s / 32) * 32 rows (CeilToInt(IntTrueDiv))
+    import sympy
+    from torch.utils._sympy.functions import CeilToInt, FloorToInt, IntTrueDiv
+
+    from torchfuse.ir.lowering import sym_to_node
+    from torchfuse.runtime.wrapper import py_index
+    s0 = sympy.Symbol("s0", integer=True, positive=True)
+    ceil_rows = py_index(sym_to_node(CeilToInt(IntTrueDiv(s0, 32)) * 32))
+    floor_rows = py_index(sym_to_node(FloorToInt(IntTrueDiv(s0 + 3, 8))))
+    for n in (1, 31, 32, 33, 77, 4096):
+        assert eval(ceil_rows, {"s0": n}) == -(-n // 32) * 32
+        assert eval(floor_rows, {"s0": n}) == (n + 3) // 8
+
+
 def test_symbolic_row_step_divisor():
     """A view's flat index over rows `c` apart, divided by `s * c` (a batch of `s` symbolic rows:
     GPT-2's (b*t, 512) -> (b, t, 512) -> (b*t, 512) with a symbolic t) simplifies to x0 // s, and

@@ -94,3 +94,26 @@ def test_attention_bias_is_written_with_aligned_strides(monkeypatch):
     # sizes already aligned keep their dense strides; other widths round up per row
     assert aligned_bias_layout([const(2), const(4), const(64)]).strides == (const(256), const(64), const(1))
     assert aligned_bias_layout([const(5), const(3), const(10)]).strides == (const(48), const(16), const(1))
+
+
+def test_attention_bias_with_symbolic_sizes_is_copied_aligned(monkeypatch):
+    """A dense [B, 1, S, S] mask with a symbolic S has strides S*S and S, aligned for some S
+    only (GPT-2 at sequence 77 failed on CUDA): it is copied into an aligned buffer, one copy
+    for every attention call reading it."""
+    from torchfuse.ir import lowering
+    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+                        (3, "bias"))
+
+    def two_layers(q, mask):
+        h = torch.ops.torchfuse_test.biased_attention(q, q, q, mask)
+        return torch.ops.torchfuse_test.biased_attention(h * 2, q, q, mask)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(two_layers, backend="torchfuse", dynamic=True)
+    torch.manual_seed(0)
+    for s in (12, 7, 9):
+        q, mask = torch.randn(2, 3, s, 16), torch.randn(2, 1, s, s)
+        _seen_bias_strides.clear()
+        torch.testing.assert_close(compiled(q, mask), two_layers(q, mask))
+        row = (s + 7) // 8 * 8
+        assert _seen_bias_strides[:2] == [(s * row, s * row, row, 1)] * 2, (s, _seen_bias_strides)

@@ -104,6 +104,13 @@ def _sympy_to_node(e: Any) -> Node:
         return floordiv(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
     if name in ("Mod", "PythonMod"):
         return mod(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
+    if name in ("CeilToInt", "FloorToInt") and type(e.args[0]).__name__ == "IntTrueDiv":
+        # math.ceil(s / 32) of ints (memory-efficient attention pads its log-sum-exp rows to a
+        # multiple of 32): ceil(a / b) = (a + b - 1) // b for b > 0
+        num, den = e.args[0].args
+        if den.is_positive:
+            n, d = _sympy_to_node(num), _sympy_to_node(den)
+            return floordiv(n + d - const(1), d) if name == "CeilToInt" else floordiv(n, d)
     raise Unsupported(f"symbolic size expression {e} ({name})")
 
 
@@ -206,15 +213,23 @@ def aligned_bias_layout(sizes: Sequence[Node], alignment: int = ATTENTION_BIAS_A
     return Layout(tuple(sizes), tuple(strides))
 
 
-def _misaligned(layout: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
-    """Whether `layout` is known (constant strides and offset) to break the attention kernels'
-    rule: the last stride 1, every other stride and the offset multiples of `alignment` (a
-    size-1 dim's stride does not matter).  Symbolic layouts are given the benefit of the doubt."""
-    if not all(n.op == "const" for n in layout.strides + (layout.offset,)):
-        return False
+def _misaligned(layout: Layout, want: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
+    """Whether `layout` may break the attention kernels' rule: the last stride 1, every other
+    stride and the offset multiples of `alignment` (a size-1 dim's stride does not matter).  A
+    symbolic stride passes only when it is the aligned layout's own (`want`'s): a dense
+    [B, 1, S, S] mask's S*S is aligned only for some S, and the kernels fail at run time on
+    the others ("attn_bias is not correctly aligned"); a symbolic offset never passes."""
     *rows, (last_size, last_stride) = zip(layout.sizes, layout.strides)
-    return (last_stride != const(1) and last_size != const(1)) or layout.offset.arg % alignment != 0 \
-        or any(size != const(1) and stride.arg % alignment != 0 for size, stride in rows)
+    if last_stride != const(1) and last_size != const(1):
+        return True
+    if not (layout.offset.op == "const" and layout.offset.arg % alignment == 0):
+        return True
+    for (size, stride), wanted in zip(rows, want.strides):
+        if size == const(1):
+            continue
+        if stride.op == "const" and stride.arg % alignment != 0 or stride.op != "const" and stride != wanted:
+            return True
+    return False
 
 
 # Ops whose result is smaller than what they read: each runs as a kernel of its own loop, apart
@@ -341,6 +356,7 @@ class GraphLowering:
         # value's own inputs alive longer and read more bytes.  The value is kept alongside so
         # its id is not reused.
         self._realized: dict[int, tuple[ComputedValue, StridedValue]] = {}
+        self._aligned_copies: dict[tuple, StridedValue] = {}    # (buffer, layout) -> its aligned copy
 
     # -- helpers used by the op lowerings ---------------------------------------------------
     def new_name(self, prefix: str = "buf") -> str:
@@ -553,9 +569,14 @@ class GraphLowering:
             return args, kwargs
         layout = aligned_bias_layout(bias.shape)
         stored = self.stored(bias, layout)
-        if stored.layout.strides != layout.strides and _misaligned(stored.layout):
-            # realized earlier for another reader, or a dense input: an aligned copy
-            stored = self.realize(stored, layout=layout)
+        if stored.layout.strides != layout.strides and _misaligned(stored.layout, layout):
+            # realized earlier for another reader, or a dense input: an aligned copy (one for
+            # all the layers reading the same mask)
+            key = (stored.buffer, stored.layout)
+            copy = self._aligned_copies.get(key)
+            if copy is None:
+                copy = self._aligned_copies[key] = self.realize(stored, layout=layout)
+            stored = copy
         if pos < len(args):
             return args[:pos] + (stored,) + args[pos + 1:], kwargs
         return args, {**kwargs, name: stored}

@@ -33,6 +33,12 @@ Design (see the modules for details):
   a step that flushed before, with the same values requested and alive, replays that flush
   (no topological sort, no signature, no cache lookup).  Counters: `lazy_replays`,
   `lazy_signatures`; per block `trace_hits` / `trace_misses`.
+* `capture`: a module called at the block's top level is recorded on its first call and from
+  its second runs compiled (Dynamo + torchfuse, forward and backward) with the lazy mode off
+  the dispatch stack: recording every op of a whole model costs more host time than eager's
+  forward, and only not seeing the ops one by one gets below that floor.  Pending inputs are
+  computed first (one flush); outputs are plain tensors; the compiled backward nodes run outside
+  the mode too.  `lazy(capture_modules=False)` turns it off.
 * Flushes happen when a non-fusible op reads a pending value, when data leaves the tensor world
   (.item(), bool(), print, .tolist(), .numpy(), .data_ptr(), ...), before an op writes memory a
   pending value read, when the pending graph exceeds `max_nodes` (512), when a backward pass
@@ -56,9 +62,9 @@ symbolic compile disagrees with eager on its first run, is compiled with static 
 size).  Writes that bypass the dispatcher (through `.numpy()` arrays,
 `data_ptr()` in C extensions) are not seen -- call `ctx.flush()` first; a pending LazyTensor
 has no memory until computed, so C++ code reading its data pointer directly must see a computed
-one; interception costs a few microseconds per op in Python (1.2-1.8x a TorchDispatchMode
-that only runs each op, on the 2-core CPU), so tiny tensors run slower than eager; factories on
-CUDA run eagerly.  Prediction is off from an in-place op recorded on a pending value to the
+one; interception costs a few microseconds per op in Python (1.1-1.9x a TorchDispatchMode
+that only runs each op, on the 2-core CPU), so code outside captured modules on tiny tensors
+runs slower than eager; factories on CUDA run eagerly.  Prediction is off from an in-place op recorded on a pending value to the
 next flush.
 """
 from .context import LazyContext, lazy

@@ -24,6 +24,7 @@ from ..counters import counters
 from ..ir.buffers import Unsupported
 from ..ir.lowering import lower_graph
 from ..passes import PassContext, run_passes
+from ..passes.host_scalars import move_host_scalars
 from ..scheduler.fusion import buffer_readers, schedule
 from ..scheduler.loops import plan_loops, rows_contiguous
 from ..scheduler.naming import name_kernels
@@ -94,6 +95,7 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     before = gm.print_readable(print_output=False) if readable else ""
     debug.write("aten_graph.txt", before)
     device = _graph_device(gm)
+    move_host_scalars(gm)          # (not a configurable pass: GPU kernels cannot read host memory)
     passes = [p for p in config.passes if p != "conv_bn_fold" or device in config.conv_bn_fold_devices]
     with counters.timed("passes"):
         records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices,
@@ -359,17 +361,17 @@ def _canonical(src: str, name: str, bufs: list[str]) -> str:
 
 
 def _graph_device(gm: fx.GraphModule) -> str:
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(val, torch.Tensor):
-            return val.device.type
-    return "cpu"
+    """The device of the graph's inputs: a GPU's if any input is on one (a 0-d CPU tensor may
+    come first, see passes/host_scalars.py)."""
+    types = {val.device.type for node in gm.graph.find_nodes(op="placeholder")
+             if isinstance(val := node.meta.get("val"), torch.Tensor)}
+    return next((t for t in sorted(types) if t != "cpu"), "cpu")
 
 
 def program_device(program) -> str:
-    for _, val in program.inputs:
-        if isinstance(val, torch.Tensor):
-            return val.device.type
+    types = {val.device.type for _, val in program.inputs if isinstance(val, torch.Tensor)}
+    if types:
+        return next((t for t in sorted(types) if t != "cpu"), "cpu")
     for meta in program.buffer_meta.values():
         if meta[3] is not None:
             return torch.device(meta[3]).type

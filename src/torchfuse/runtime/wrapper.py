@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph
-from ..ir.nodes import INDEX, Node, loads as _ir_loads, py_index
+from ..ir.nodes import INDEX, Node, const, loads as _ir_loads, py_index
 from ..scheduler.fusion import Kernel
 
 
@@ -162,6 +162,10 @@ class WrapperBuilder:
         self.lines: list[str] = []
         self.memory = MemoryPlan()
         self.labels: dict[int, str] = {}     # line index -> profiler label (kernel calls)
+        # views of graph inputs that ATen calls read more than once (an RNN's transposed weight,
+        # read by the matmul of every time step): made once, named, dropped after the last reader
+        self.shared_views: dict[tuple, tuple[str, int]] = {}     # view text -> (name, last step)
+        self.views_made: set[str] = set()
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -175,7 +179,16 @@ class WrapperBuilder:
 
     def arg(self, a: Any) -> str:
         if isinstance(a, BufferRef):
-            return self.view(a.buffer, a.layout) if a.layout is not None else a.buffer
+            if a.layout is None:
+                return a.buffer
+            text = self.view(a.buffer, a.layout)
+            shared = self.shared_views.get(text)
+            if shared is None:
+                return text
+            if shared[0] not in self.views_made:     # first reader: made just before its call
+                self.views_made.add(shared[0])
+                self.lines.append(f"    {shared[0]} = {text}")
+            return shared[0]
         if isinstance(a, Node):
             return py_index(a) if a.dtype == INDEX else self.const(a)
         if isinstance(a, list):
@@ -223,6 +236,7 @@ class WrapperBuilder:
             if isinstance(val, torch.Tensor) and f"in{i}" in p.buffer_meta:
                 self.memory.enter(f"in{i}", p.buffer_meta[f"in{i}"])
         last_use = self._last_uses()
+        self.shared_views = self._shared_input_views(set(names))
         # Inputs are dropped after their last reader like any buffer: a backward graph's inputs
         # are the activations the forward saved, and the caller cleared its list (boxed call),
         # so each is freed as soon as the backward is done with it, not when the graph returns.
@@ -282,6 +296,9 @@ class WrapperBuilder:
                         elif item.args and isinstance(item.args[0], BufferRef):
                             self.memory.share(o, item.args[0].buffer)
             dead = [b for b, last in last_use.items() if last == pos and b not in self.outputs]
+            dead_views = [name for name, last in self.shared_views.values() if last == pos and name in self.views_made]
+            if dead_views:
+                L.append(f"    del {', '.join(sorted(dead_views))}")
             if dead:
                 L.append(f"    del {', '.join(sorted(dead))}")
                 for b in dead:
@@ -459,6 +476,9 @@ class WrapperBuilder:
             L.append(f"    {call}")
         for sym_name, buf, dim in item.binds:
             L.append(f"    {sym_name} = {buf}.size({dim})")
+        if item.target in _DENSE_RESULTS and len(tensors) == 1 and \
+                self._row_major(*self.program.buffer_meta[tensors[0]][:2]):
+            return      # (no check: a host-bound graph of many small matmuls pays ~0.5 us each)
         for o in tensors:
             # Kernels index this buffer with the strides the fake tensor predicted; ATen almost
             # always agrees, and when it does not we restride once rather than read garbage.
@@ -469,6 +489,37 @@ class WrapperBuilder:
             if isinstance(dtype, torch.dtype):
                 L.append(f"    if {none_ok}{o}.dtype is not {self.const(dtype)}: {o} = {o}.to({self.const(dtype)})")
             L.append(f"    if {none_ok}{o}.stride() != {_tuple(strides)}: {o} = _restride({o}, {_tuple(sizes)}, {_tuple(strides)})")
+
+    @staticmethod
+    def _row_major(sizes: Sequence[Node], strides: Sequence[Node]) -> bool:
+        """Whether `strides` are the row-major strides of `sizes` (size-1 dims aside)."""
+        acc: Node = const(1)
+        for size, stride in zip(reversed(sizes), reversed(strides)):
+            if not (size == const(1) or stride == acc):
+                return False
+            acc = acc * size
+        return True
+
+    def _shared_input_views(self, inputs: set[str]) -> dict[str, tuple[str, int]]:
+        """Views of graph inputs that ATen calls take at two or more steps, by their text: a name
+        for each and the last step reading it.  (Only inputs: their names are bound once, so the
+        view made at the first reader is the one every later reader would make.)"""
+        uses: dict[str, list[int]] = {}
+
+        def visit(a: Any, pos: int) -> None:
+            if isinstance(a, BufferRef):
+                if a.layout is not None and a.buffer in inputs:
+                    uses.setdefault(self.view(a.buffer, a.layout), []).append(pos)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    visit(x, pos)
+
+        for pos, item in enumerate(self.items):
+            if isinstance(item, FallbackCall):
+                visit(item.args, pos)
+                visit(list(item.kwargs.values()), pos)
+        return {text: (f"_view{k}", max(steps)) for k, (text, steps) in
+                enumerate(t for t in uses.items() if len(t[1]) > 1)}
 
     def _last_uses(self) -> dict[str, int]:
         last: dict[str, int] = {}
@@ -496,6 +547,12 @@ class WrapperBuilder:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
         return last
+
+
+# ATen ops whose result is always a new row-major tensor of their inputs' dtype (allocated with
+# at::empty of the result's sizes on every device): the wrapper does not check what they return.
+_DENSE_RESULTS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                            torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default})
 
 
 def _input_copies_last(items: list, kernel_args: dict[str, tuple[list[str], list[str]]]) -> list:
