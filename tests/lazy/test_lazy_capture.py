@@ -207,3 +207,22 @@ def test_batch_norm_cnn_step_matches_eager():
     for a, b in zip([*model.parameters(), *model.buffers()], [*ref.parameters(), *ref.buffers()]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert reasons(ctx).count(CALL.format("Sequential")) == 2
+
+
+def test_many_modules_are_each_compiled():
+    """Each captured module has its own compiled code: more modules than Dynamo's recompile
+    limit (8 per code object) all run compiled, and match eager."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()).eval() for _ in range(12)]
+    x = torch.randn(3, 8)
+    ctx = torchfuse.lazy()
+    for _ in range(3):
+        with torch.no_grad(), ctx:
+            outs = [m(x) for m in models]
+        with torch.no_grad():
+            for m, out in zip(models, outs):
+                torch.testing.assert_close(out, m(x))
+    assert reasons(ctx).count(CALL.format("Sequential")) == 2 * len(models), ctx.explain()
+    assert all(type(out) is torch.Tensor for out in outs)
+    stats = torch._dynamo.utils.counters["stats"]
+    assert not torch._dynamo.utils.counters["recompile_limit"] and stats["unique_graphs"] >= len(models)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-from .buffers import ComputedValue, TensorValue, Unsupported
+from .buffers import ComputedValue, StridedValue, TensorValue, Unsupported
 from .lowering import GraphLowering, register as _register
 from .nodes import INDEX, Node, cast, const, op, where
 
@@ -404,15 +404,23 @@ def _lerp(lw, a, b, w):
 # casts and copies
 # --------------------------------------------------------------------------------------------
 
-def _check_device(lw: GraphLowering, kwargs: dict) -> None:
+def _check_device(lw: GraphLowering, kwargs: dict, x: Any = None) -> None:
     device = kwargs.get("device")
-    if device is not None and lw.device is not None and torch.device(device) != lw.device:
+    if device is None:
+        return
+    device = torch.device(device)
+    if lw.device is not None and device != lw.device:
         raise Unsupported("copy to another device")
+    # a graph input on another device (a host scalar moved to the GPU, passes/host_scalars.py):
+    # a kernel cannot read it there, ATen copies it
+    meta = lw.buffer_meta.get(x.buffer) if isinstance(x, StridedValue) else None
+    if meta is not None and meta[3] is not None and torch.device(meta[3]) != device:
+        raise Unsupported("copy from another device")
 
 
 @register(aten._to_copy.default)
 def _to_copy(lw, x, **kwargs):
-    _check_device(lw, kwargs)
+    _check_device(lw, kwargs, x)
     if isinstance(x, TensorValue) and (x.dtype.is_complex or lw.out_dtype().is_complex):
         raise Unsupported("complex dtypes")
     return pointwise(lw, [x], lambda a: a, compute=x.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
@@ -211,6 +211,20 @@ def aligned_bias_layout(sizes: Sequence[Node], alignment: int = ATTENTION_BIAS_A
             acc = (acc + (alignment - 1)) // alignment * alignment
         strides[i] = acc
     return Layout(tuple(sizes), tuple(strides))
+
+
+def graph_device(values: Iterable[Any]) -> torch.device | None:
+    """The device a graph computes on: its first tensor input's, passing over 0-d CPU tensors
+    while a later input lives elsewhere (Dynamo passes an unspecialized float as one, see
+    passes/host_scalars.py; a GPU graph taking it first is still a GPU graph)."""
+    first = None
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if first is None:
+                first = v.device
+            if not (v.device.type == "cpu" and v.ndim == 0):
+                return v.device
+    return first
 
 
 def _misaligned(layout: Layout, want: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
@@ -438,6 +452,7 @@ class GraphLowering:
         graph = self.gm.graph
         out_node = next(n for n in graph.nodes if n.op == "output")
         fx.node.map_arg(out_node.args, self.output_nodes.add)
+        self.device = graph_device(meta_val(n) for n in graph.find_nodes(op="placeholder"))
         placeholder_pos = 0
         for node in graph.nodes:
             self.current = node

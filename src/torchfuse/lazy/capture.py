@@ -184,8 +184,11 @@ def _compile(module: torch.nn.Module, ctx: "LazyContext") -> Callable:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return ref()(*args, **kwargs)
-    # (a function around the call, not the module: Dynamo then inlines the module's forward and
-    # never reads `_compiled_call_impl`, which holds this capture)
+    # A function around the call, not the module: Dynamo then inlines the module's forward and
+    # never reads `_compiled_call_impl`, which holds this capture.  Each module's function gets
+    # a code object of its own: Dynamo keeps compiled entries per code object, and modules
+    # sharing one would share its recompile limit (8), the ninth module running eagerly.
+    call.__code__ = call.__code__.replace(co_name=f"captured_{type(module).__name__}")
     return torch.compile(call, backend=TorchfuseBackend(ctx.config), dynamic=ctx.dynamic)
 
 

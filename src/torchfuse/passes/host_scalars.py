@@ -5,7 +5,8 @@ Under `torch.compile(dynamic=True)` Dynamo passes a Python float it does not spe
 RMSNorm's epsilon, a scale attribute) as a 0-d CPU tensor input.  ATen ops accept such a tensor
 next to CUDA tensors, but a Triton kernel given its pointer fails at launch ("Pointer argument
 cannot be accessed from Triton (cpu tensor?)").  Each 0-d CPU input that a GPU graph computes
-with is copied to the graph's device once per call, and its readers read the copy.
+with (a GPU op reads it, directly or through casts) is copied to the device once per call (by
+ATen: the lowering leaves a copy between devices to it), and its readers read the copy.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def move_host_scalars(gm: fx.GraphModule) -> int:
         if not (isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.ndim == 0):
             continue
         readers = [u for u in ph.users if u.op == "call_function" and u.target not in _HOST_READERS]
-        if not readers:
+        if not readers or not _feeds_device(ph, gpus[0]):
             continue
         with gm.graph.inserting_after(ph):
             copy = create_node(gm.graph, aten._to_copy.default, (ph,), {"device": gpus[0]}, meta_from=ph)
@@ -43,3 +44,21 @@ def move_host_scalars(gm: fx.GraphModule) -> int:
     if moved:
         gm.recompile()
     return moved
+
+
+def _feeds_device(node: fx.Node, device: torch.device) -> bool:
+    """Whether a GPU op reads `node`, directly or through ops on host scalars (a cast of the
+    epsilon, then the add to a GPU tensor); a host scalar that only host code reads stays."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            val = user.meta.get("val")
+            if not isinstance(val, torch.Tensor) or user in seen:
+                continue
+            if val.device == device:
+                return True
+            if val.device.type == "cpu" and val.ndim == 0:
+                seen.add(user)
+                todo.append(user)
+    return False

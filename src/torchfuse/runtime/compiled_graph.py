@@ -22,7 +22,7 @@ from ..report import Explanation, FallbackInfo, KernelInfo
 from ..config import Config
 from ..counters import counters
 from ..ir.buffers import Unsupported
-from ..ir.lowering import lower_graph
+from ..ir.lowering import graph_device, lower_graph
 from ..passes import PassContext, run_passes
 from ..passes.host_scalars import move_host_scalars
 from ..scheduler.fusion import buffer_readers, schedule
@@ -361,17 +361,14 @@ def _canonical(src: str, name: str, bufs: list[str]) -> str:
 
 
 def _graph_device(gm: fx.GraphModule) -> str:
-    """The device of the graph's inputs: a GPU's if any input is on one (a 0-d CPU tensor may
-    come first, see passes/host_scalars.py)."""
-    types = {val.device.type for node in gm.graph.find_nodes(op="placeholder")
-             if isinstance(val := node.meta.get("val"), torch.Tensor)}
-    return next((t for t in sorted(types) if t != "cpu"), "cpu")
+    device = graph_device(node.meta.get("val") for node in gm.graph.find_nodes(op="placeholder"))
+    return device.type if device is not None else "cpu"
 
 
 def program_device(program) -> str:
-    types = {val.device.type for _, val in program.inputs if isinstance(val, torch.Tensor)}
-    if types:
-        return next((t for t in sorted(types) if t != "cpu"), "cpu")
+    device = graph_device(val for _, val in program.inputs)
+    if device is not None:
+        return device.type
     for meta in program.buffer_meta.values():
         if meta[3] is not None:
             return torch.device(meta[3]).type
