@@ -64,7 +64,8 @@ def test_cross_entropy_cuda():
     _close(e.output, F.cross_entropy(x, t), torch.float32)
 
 
-def test_gpt2_cuda_inference_and_training():
+def _gpt2_pair():
+    """A small GPT-2 on the GPU (no dropout) and a copy of it, for eager's reference."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
                                   resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
@@ -72,6 +73,11 @@ def test_gpt2_cuda_inference_and_training():
     m = transformers.GPT2LMHeadModel(cfg).cuda()
     ref_m = transformers.GPT2LMHeadModel(cfg).cuda()
     ref_m.load_state_dict(m.state_dict())
+    return m, ref_m
+
+
+def test_gpt2_cuda_inference_and_training():
+    m, ref_m = _gpt2_pair()
     ids = torch.randint(0, 1000, (2, 64), device="cuda")
     cm = torch.compile(m, backend="torchfuse")
     loss = cm(ids, labels=ids).loss
@@ -87,13 +93,7 @@ def test_gpt2_cuda_training_with_symbolic_sizes():
     """dynamic=True: memory-efficient attention's log-sum-exp has ceil(S / 32) * 32 rows and the
     causal mask S*S-strided rows; every graph compiles (no eager fallback) at sequence lengths
     that are not multiples of 8, and matches eager."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,
-                                  resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
-    torch.manual_seed(0)
-    m = transformers.GPT2LMHeadModel(cfg).cuda()
-    ref_m = transformers.GPT2LMHeadModel(cfg).cuda()
-    ref_m.load_state_dict(m.state_dict())
+    m, ref_m = _gpt2_pair()
     step = torch.compile(lambda ids: m(ids, labels=ids).loss, backend="torchfuse", dynamic=True)
     fallbacks = torchfuse.counters["eager_fallbacks"]
     for batch, seq in [(2, 64), (3, 77), (2, 45)]:
