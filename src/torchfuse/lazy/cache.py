@@ -216,6 +216,12 @@ def _size_args(func: Any) -> frozenset:
     return names
 
 
+# Scalar arguments that are a size when they equal one: a mean's backward divides by the
+# number of elements it averaged (`div.Scalar(grad, b * n)`), a new constant at every batch
+# size.  Lifted only as a leaf's size (never a graph input of its own: `x / 3` stays 3).
+_SCALAR_SIZES = {torch.ops.aten.div.Scalar: "other"}
+
+
 def _lift(value: Any, cands: list, index: bool, free_ok: bool = True) -> Any:
     """Replace every int of a size-like argument by an IntSlot; record (value, whether it may
     become a graph input of its own, whether it is an index or bound rather than a size).
@@ -349,11 +355,16 @@ def _abstract(order: list["LazyNode"], codes: list[list]) -> tuple[list, list, t
     for n, refs in zip(order, codes):
         targs, tkwargs = n.targs, n.tkwargs
         names = _size_args(n.func)
-        if names:
+        scalar = _SCALAR_SIZES.get(n.func)
+        if names or scalar:
             positional = [a.name for a in n.func._schema.arguments if not a.kwarg_only]
-            targs = tuple(_lift(a, cands, positional[i] in _INDEX_ARGS) if i < len(positional)
-                          and positional[i] in names else a for i, a in enumerate(targs))
-            tkwargs = {k: _lift(v, cands, k in _INDEX_ARGS) if k in names else v for k, v in tkwargs.items()}
+
+            def lift(name: str, a: Any) -> Any:
+                if name == scalar:
+                    return _lift(a, cands, False, free_ok=False) if type(a) is int else a
+                return _lift(a, cands, name in _INDEX_ARGS) if name in names else a
+            targs = tuple(lift(positional[i], a) if i < len(positional) else a for i, a in enumerate(targs))
+            tkwargs = {k: lift(k, v) for k, v in tkwargs.items()}
         steps.append((n.func, targs, tkwargs, n.container, refs))
         key.append((n.func, _tkey(targs), _tkey(tkwargs), tuple(refs)))
     return steps, cands, tuple(key)
