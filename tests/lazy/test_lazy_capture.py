@@ -226,3 +226,27 @@ def test_many_modules_are_each_compiled():
     assert all(type(out) is torch.Tensor for out in outs)
     stats = torch._dynamo.utils.counters["stats"]
     assert not torch._dynamo.utils.counters["recompile_limit"] and stats["unique_graphs"] >= len(models)
+
+
+def test_optimizer_step_runs_after_pending_values_are_computed():
+    """An optimizer step runs outside the lazy mode; what is pending (here a value that reads
+    the weights) is computed first, so it sees the weights from before the update."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 3)
+    ref = copy.deepcopy(lin)
+    grads = [torch.randn_like(p) for p in lin.parameters()]
+    for p, q, g in zip(lin.parameters(), ref.parameters(), grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1) for m in (lin, ref))
+    x = torch.randn(2, 4)
+    with torch.no_grad(), torchfuse.lazy(capture_modules=False) as ctx:
+        y = torch.tanh(lin(x)) * 2           # pending: reads the weights
+        opt.step()
+        after = lin(x) + 1                   # recorded on the updated weights
+    with torch.no_grad():
+        torch.testing.assert_close(y, torch.tanh(ref(x)) * 2)
+        ref_opt.step()
+        torch.testing.assert_close(after, ref(x) + 1)
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    assert reasons(ctx)[0] == "an optimizer step", ctx.explain()

@@ -176,10 +176,13 @@ class LazyContext:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         mode, outer = self._entered.pop()
-        popped = _pop_mode()
-        if popped is not mode:      # someone left a mode of their own on top of ours
-            _push_mode(popped)
+        current = _get_current_dispatch_mode()
+        if current is mode:
+            _pop_mode()
+        elif current is not None:   # someone left a mode of their own on top of ours
             log.warning("torchfuse.lazy: dispatch modes were not exited in order")
+        # (no mode at all: ours was taken off by a compiled backward or an optimizer step that
+        # raised before putting it back)
         for i in range(len(_state.contexts) - 1, -1, -1):
             if _state.contexts[i] is self:
                 del _state.contexts[i]
