@@ -36,6 +36,9 @@ class Config:
     """Write every stage of every compiled graph to `debug_dir`."""
     debug_dir: Path = Path("torchfuse_debug")
     """Where `debug` writes (TORCHFUSE_DEBUG=<folder> sets both)."""
+    progress: bool = True
+    """A compile running longer than 2 s shows one progress line (elapsed time, graphs, stage) on
+    stderr when stderr is a terminal (runtime/progress.py)."""
 
     # --- kernel cache / C++ toolchain -------------------------------------------------------
     cache_dir: Path = field(default_factory=_default_cache_dir)

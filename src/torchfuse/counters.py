@@ -5,7 +5,7 @@ import collections
 import contextlib
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class Counters(collections.Counter):
@@ -39,6 +39,8 @@ class Counters(collections.Counter):
     def __init__(self) -> None:
         super().__init__()
         self.seconds: collections.Counter = collections.Counter()
+        # told the name of each stage as it starts, while a compile shows progress (runtime/progress.py)
+        self.on_stage: Callable[[str], None] | None = None
 
     _lock = threading.Lock()
 
@@ -52,6 +54,8 @@ class Counters(collections.Counter):
 
     @contextlib.contextmanager
     def timed(self, stage: str) -> Iterator[None]:
+        if self.on_stage is not None:
+            self.on_stage(stage)
         start = time.perf_counter()
         try:
             yield

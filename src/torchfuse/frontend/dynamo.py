@@ -13,7 +13,7 @@ import torch.fx as fx
 from ..report import Explanation
 from ..config import Config
 from ..counters import counters
-from ..runtime import cudagraphs
+from ..runtime import cudagraphs, progress
 from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
 from .decompositions import decomposition_table
 
@@ -103,16 +103,17 @@ class TorchfuseBackend:
                 graph_cache.turn_off(f"{type(e).__name__}: {e}")
                 return compiled
 
-        try:
-            return compile_graph()
-        except Exception as e:
-            if not (relaid or upsamples) or isinstance(e, torch._dynamo.exc.RestartAnalysis):
-                raise
-            log.info("the rewritten training graph did not compile (%s: %s); compiling it as it was",
-                     type(e).__name__, e)
-            channels_last_training.undo(gm, relaid)
-            upsample_training.undo(gm, upsamples)
-            return compile_graph()
+        with progress.compiling(config):
+            try:
+                return compile_graph()
+            except Exception as e:
+                if not (relaid or upsamples) or isinstance(e, torch._dynamo.exc.RestartAnalysis):
+                    raise
+                log.info("the rewritten training graph did not compile (%s: %s); compiling it as it was",
+                         type(e).__name__, e)
+                channels_last_training.undo(gm, relaid)
+                upsample_training.undo(gm, upsamples)
+                return compile_graph()
 
 
 def _static_input_indices() -> set[int]:

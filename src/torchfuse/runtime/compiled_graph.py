@@ -25,6 +25,7 @@ from ..ir.buffers import Unsupported
 from ..ir.lowering import graph_device, lower_graph
 from ..passes import PassContext, run_passes
 from ..passes.host_scalars import move_host_scalars
+from . import progress
 from ..scheduler.fusion import buffer_readers, schedule
 from ..scheduler.loops import plan_loops, rows_contiguous
 from ..scheduler.naming import name_kernels
@@ -86,6 +87,12 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
     `static_inputs` are the positions of parameters and buffers (AOTAutograd's
     static_input_indices): in an inference graph what is computed from them alone is hoisted
     out of the per-call path (passes/hoist_static.py)."""
+    with progress.compiling(config):
+        return _compile_graph(gm, config, inference, kind, report, static_inputs)
+
+
+def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: str,
+                   report: Explanation | None, static_inputs: set[int] | None) -> Callable:
     graph_name = f"graph{next(_graph_ids)}_{kind}"
     debug = DebugWriter(config, graph_name)
     counters.bump("graphs_compiled")
