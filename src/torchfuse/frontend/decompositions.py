@@ -94,8 +94,40 @@ def _base_table() -> dict:
             like = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             return stock(grad_output, like, target, weight, reduction, ignore_index, total_weight)
         _table[aten.nll_loss_backward.default] = nll_loss_backward
+        for op in [op for op in _table if op.overloadpacket in (aten.var, aten.var_mean, aten.std, aten.std_mean)
+                   and "keepdim" in (a.name for a in op._schema.arguments)]:
+            _table[op] = _keepdim_by_unsqueeze(op, _table[op])
         from .upsample_training import interpolate as upsample_forward
         _table[torch.ops.torchfuse.upsample.default] = upsample_forward
     from ..extend import decompositions as user_decompositions
     extra = user_decompositions()
     return {**_table, **extra} if extra else _table
+
+
+def _keepdim_by_unsqueeze(op, decomposition):
+    """var/std (and their _mean forms) with keepdim=True as the keepdim=False decomposition plus
+    unsqueezes.  The stock one keeps dims with prims.broadcast_in_dim, a view prim that
+    functionalization refuses when it re-traces a block of torch.compiler.nested_compile_region
+    for its backward (the whole training graph failed to compile)."""
+    names = [a.name for a in op._schema.arguments]
+    at = names.index("keepdim")
+
+    def run(*args, **kwargs):
+        given = {**dict(zip(names, args)), **kwargs}
+        if not given.get("keepdim", False):
+            return decomposition(*args, **kwargs)
+        if at < len(args):
+            args = args[:at] + (False,) + args[at + 1:]
+        else:
+            kwargs = {**kwargs, "keepdim": False}
+        out = decomposition(*args, **kwargs)
+        x, dim = args[0], given.get("dim")
+        dims = [dim] if isinstance(dim, int) else list(dim) if dim else list(range(x.ndim))
+        dims = sorted(d % max(x.ndim, 1) for d in dims)
+
+        def keep(t):
+            for d in dims:
+                t = aten.unsqueeze.default(t, d)
+            return t
+        return tuple(keep(t) for t in out) if isinstance(out, tuple) else keep(out)
+    return run

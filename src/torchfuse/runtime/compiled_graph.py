@@ -26,6 +26,7 @@ from ..ir.lowering import graph_device, lower_graph
 from ..passes import PassContext, run_passes
 from ..passes.host_scalars import move_host_scalars
 from . import progress
+from .subgraphs import compile_subgraphs
 from ..scheduler.fusion import buffer_readers, schedule
 from ..scheduler.loops import plan_loops, rows_contiguous
 from ..scheduler.naming import name_kernels
@@ -110,6 +111,9 @@ def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: st
                                                       fp32_matmul_tf32=_fp32_matmul_tf32()))
     after = gm.print_readable(print_output=False) if readable else ""
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
+    # the blocks of torch.compiler.nested_compile_region: each compiled once, called per use
+    compile_subgraphs(gm, lambda sub, name: compile_graph(sub, config, inference=inference, kind=f"{kind}_{name}",
+                                                          report=report))
     if report is not None:
         report.graphs += [f"# {graph_name}: aten graph\n{before}", f"# {graph_name}: after passes\n{after}"]
         report.passes += [f"{graph_name}: {r}" for r in records]
