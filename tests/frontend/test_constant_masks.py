@@ -75,3 +75,31 @@ def test_symbolic_batch_and_training():
         for a, b in ((q, qr), (k, kr), (v, vr)):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
     assert counters["constant_masks_dropped"] - before == 1
+
+
+def _mask_graph(indexed: bool) -> torch.fx.GraphModule:
+    """SDPA with a mask built on the "meta" device, as Dynamo records it (sizes are ints)."""
+    import operator
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    rows = g.call_function(operator.add, (g.call_function(torch.arange, (S,), {"device": "meta"}), 0))
+    if indexed:     # an index valid only for the broadcast shape, which the evaluation skips
+        full = g.call_method("expand", (g.call_function(operator.ge, (g.call_function(
+            operator.getitem, (rows, (None, slice(None)))), 0)), 4, S))
+        picked = g.call_function(operator.getitem, (full, g.call_function(torch.arange, (4,), {"device": "meta"})))
+        mask = g.call_function(operator.getitem, (picked, (slice(None), None, None, slice(None))))
+    else:
+        mask = g.call_method("expand", (g.call_function(operator.ge, (g.call_function(
+            operator.getitem, (rows, (None, None, slice(None), None))), 0)), B, -1, S, S))
+    g.output(g.call_function(torch._C._nn.scaled_dot_product_attention, (q, k, v), {"attn_mask": mask}))
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_masks_are_evaluated_on_the_cpu_whatever_their_device():
+    """The evaluation never runs on the graph's device: a mask built on another device (here
+    "meta", which cannot be evaluated) is computed on the CPU; an index valid only for the
+    broadcast shape (the broadcast is skipped) raises there and the mask stays, where on a GPU
+    it was a device-side assert that took the process down (GPT-2's causal mask)."""
+    from torchfuse.frontend.constant_masks import drop_constant_masks
+    assert drop_constant_masks(_mask_graph(indexed=False)) == 1
+    assert drop_constant_masks(_mask_graph(indexed=True)) == 0

@@ -8,7 +8,10 @@ eager, which passes no mask, runs in 2.5 ms with the fused memory-efficient kern
 
 A mask qualifies when its value (not its shape: an `expand` to the batch size may be symbolic)
 is computed from constants only, and that value masks nothing: all true, or all zero for an
-additive float mask.  It is evaluated once, at compile time, on the example's device.
+additive float mask.  It is evaluated once, at compile time, on the CPU whatever the graph's
+device: skipping a broadcast changes shapes, so an index computed for the broadcast shape
+(GPT-2's causal mask indexes its batch) can fall outside the unbroadcast tensor; on the CPU
+that raises and the mask stays, on a GPU it is a device-side assert that poisons the process.
 """
 from __future__ import annotations
 
@@ -58,10 +61,16 @@ def _value(node: Any, memo: dict, budget: list[int]) -> Any:
         result = _value(node.args[0], memo, budget)
     else:
         args, kwargs = _value(node.args, memo, budget), _value(node.kwargs, memo, budget)
+        if "device" in kwargs:
+            kwargs["device"] = "cpu"                 # (see the module docstring)
         if node.op == "call_method":
             if not isinstance(args[0], torch.Tensor):
                 raise _NotConstant
-            result = getattr(args[0], target)(*args[1:], **kwargs)
+            if target in ("cuda", "to", "cpu"):      # moves: stay on the CPU, keep a dtype change
+                rest = [a for a in args[1:] if not isinstance(a, (torch.device, str, int))]
+                result = args[0].to(*rest, **{k: v for k, v in kwargs.items() if k in ("dtype", "copy")})
+            else:
+                result = getattr(args[0], target)(*args[1:], **kwargs)
         elif target in (operator.getitem, operator.add, operator.sub, operator.mul, operator.ge, operator.gt,
                         operator.le, operator.lt, operator.eq, operator.ne, operator.and_, operator.or_,
                         operator.invert, operator.neg) or getattr(target, "__module__", None) in ("torch", "torch._C._VariableFunctions"):
