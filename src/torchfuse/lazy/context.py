@@ -241,20 +241,17 @@ class LazyContext:
             self.pending_values()         # prune
 
     def _log_flush(self, record: FlushRecord) -> None:
-        self.flushes.append(record)
-        self.num_flushes += 1
-        if len(self.flushes) > MAX_LOG:
-            # A block that runs a long loop must not grow its log forever: keep the newest half.
-            del self.flushes[:MAX_LOG // 2]
+        self.log_module_call(record)
         self.recorded = len(self.pending_values())
         self.work = 0
         log.debug("lazy block %d: flush: %s", self.id, record)
 
     def log_module_call(self, record: FlushRecord) -> None:
-        """A compiled module call (capture.py) in the flush log."""
+        """A flush or a compiled module call (capture.py) in the flush log."""
         self.flushes.append(record)
         self.num_flushes += 1
         if len(self.flushes) > MAX_LOG:
+            # A block that runs a long loop must not grow its log forever: keep the newest half.
             del self.flushes[:MAX_LOG // 2]
 
     def _log_compile(self, report: Explanation) -> None:

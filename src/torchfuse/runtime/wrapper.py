@@ -164,7 +164,7 @@ class WrapperBuilder:
         self.labels: dict[int, str] = {}     # line index -> profiler label (kernel calls)
         # views of graph inputs that ATen calls read more than once (an RNN's transposed weight,
         # read by the matmul of every time step): made once, named, dropped after the last reader
-        self.shared_views: dict[tuple, tuple[str, int]] = {}     # view text -> (name, last step)
+        self.shared_views: dict[str, tuple[str, int]] = {}     # view text -> (name, last step)
         self.views_made: set[str] = set()
 
     def const(self, value: Any) -> str:
