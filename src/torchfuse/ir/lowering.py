@@ -481,8 +481,6 @@ class GraphLowering:
         val = meta_val(node)
         self.inputs.append((node.name, val))
         if isinstance(val, torch.Tensor):
-            if self.device is None:
-                self.device = val.device
             for d, s in enumerate(val.shape):
                 self._bind_symbol(s, pos, "size", d)
             for d, s in enumerate(val.stride()):

@@ -11,8 +11,8 @@ sizes recompile at most once), and AOTAutograd compiles its backward.  The rest 
 (a loss, an optimizer step, code between modules) is still recorded and fused lazily.
 
 How:
-* While any lazy block is open a global forward pre-hook counts calls of modules that are not
-  inside a module already counted (`_pre_hook`).  From a module's second call it is armed: its
+* While any lazy block is open a global forward pre-hook sees the calls of modules that are not
+  inside a module already seen (`_pre_hook`), and arms each at its first call, for its second: its
   `_compiled_call_impl` (the slot `nn.Module.compile()` uses, read by `nn.Module.__call__`) is a
   `_CapturedCall`; when the last block closes, armed modules are disarmed, so code outside lazy
   blocks (a later `torch.compile(model)` included) sees the module as it was.
@@ -61,12 +61,11 @@ _armed: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()     # modules who
 
 
 class _ModuleState:
-    """What the lazy mode knows of one top-level module: calls seen, compiled callables (one
-    per Config), and whether capturing it failed."""
-    __slots__ = ("calls", "compiled", "failed", "compiled_calls", "__weakref__")
+    """What the lazy mode knows of one top-level module: compiled callables (one per Config),
+    compiled calls made, and whether capturing it failed."""
+    __slots__ = ("compiled", "failed", "compiled_calls", "__weakref__")
 
     def __init__(self) -> None:
-        self.calls = 0
         self.compiled: dict[str, Callable] = {}
         self.failed = False
         self.compiled_calls = 0
@@ -107,7 +106,7 @@ def block_exited() -> None:
 
 
 def _pre_hook(module: torch.nn.Module, args: Any) -> None:
-    """Counts calls of top-level modules inside lazy blocks and arms a module after its first."""
+    """Arms a top-level module called inside a lazy block at its first call (for its next)."""
     if module in _inner:
         return None
     from .context import current_context
@@ -120,7 +119,6 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
         for sub in module.modules():
             if sub is not module:
                 _inner.add(sub)
-    state.calls += 1
     if not state.failed and module not in _armed and module._compiled_call_impl is None:
         _armed.add(module)
         module._compiled_call_impl = _CapturedCall(module)   # from the next call on
@@ -162,7 +160,7 @@ def _run_compiled(module: torch.nn.Module, state: _ModuleState, ctx: "LazyContex
         compiled = state.compiled[ctx.token] = _compile(module, ctx)
     first = state.compiled_calls == 0
     popped = pop_lazy_modes()
-    hooked = _remove_hook()          # Dynamo traces the module without the counting hook
+    hooked = _remove_hook()          # Dynamo traces the module without the arming hook
     sequence = _sequence_nr()
     t0 = time.perf_counter()
     try:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph
+from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph, contiguous_strides
 from ..ir.nodes import INDEX, Node, const, loads as _ir_loads, py_index
 from ..scheduler.fusion import Kernel
 
@@ -493,12 +493,8 @@ class WrapperBuilder:
     @staticmethod
     def _row_major(sizes: Sequence[Node], strides: Sequence[Node]) -> bool:
         """Whether `strides` are the row-major strides of `sizes` (size-1 dims aside)."""
-        acc: Node = const(1)
-        for size, stride in zip(reversed(sizes), reversed(strides)):
-            if not (size == const(1) or stride == acc):
-                return False
-            acc = acc * size
-        return True
+        return all(size == const(1) or got == want
+                   for size, got, want in zip(sizes, strides, contiguous_strides(sizes)))
 
     def _shared_input_views(self, inputs: set[str]) -> dict[str, tuple[str, int]]:
         """Views of graph inputs that ATen calls take at two or more steps, by their text: a name
