@@ -81,7 +81,41 @@ def timed(step: Callable, budget: float = 0.5) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
-def run_row(row: Row, make: Callable[[str], Callable]) -> None:
+def interleaved(steps: dict[str, Callable], rounds: int) -> dict[str, float]:
+    """Median ms per call over `rounds` rounds, every backend timed once per round in turn: a host
+    whose speed drifts moves every backend alike.  (A backend compiled before the last Dynamo reset
+    recompiles once in the warm-up, from warm caches.)"""
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {b: [] for b in steps}
+    for _ in range(rounds):
+        for backend, step in steps.items():
+            times[backend].append(timed(step, budget=0.25))
+    return {b: sorted(t)[len(t) // 2] for b, t in times.items()}
+
+
+def host_profile(step: Callable, calls: int = 50, top: int = 20) -> str:
+    """cProfile of `calls` steps by own time: where a host-bound step spends its time."""
+    import cProfile
+    import io
+    import pstats
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        step()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def run_row(row: Row, make: Callable[[str], Callable], rounds: int = 1, profile: bool = False) -> None:
+    kept: dict[str, Callable] = {}
     for backend in BACKENDS:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -100,14 +134,21 @@ def run_row(row: Row, make: Callable[[str], Callable]) -> None:
             row.steady_mib[backend] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
             # CUDA graph replays allocate nothing, so the graphs' pool shows in reserved bytes only
             row.reserved_mib[backend] = (torch.cuda.memory_reserved() - base_reserved) / 2 ** 20
+            if profile and backend != "eager":
+                print(f"## {row.name} {backend}: host profile of 50 steps\n{host_profile(step)}", flush=True)
+            if rounds > 1:
+                kept[backend] = step
         except Exception as e:   # keep the table going
             row.error[backend] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"  !! {row.name} {backend}: {row.error[backend]}", flush=True)
         step = None
+    if len(kept) > 1:
+        row.ms.update(interleaved(kept, rounds))
+    kept.clear()
     print(f"{row.name}: " + ", ".join(f"{b} {row.ms.get(b, float('nan')):.3f} ms" for b in BACKENDS), flush=True)
 
 
-def inference_row(kind: str, dtype: torch.dtype, batch: int, seq: int) -> Row:
+def inference_row(kind: str, dtype: torch.dtype, batch: int, seq: int, rounds: int, profile: bool) -> Row:
     row = Row(f"{kind} infer {str(dtype)[6:]} {batch}x{seq}")
     model = decoder(kind).cuda().eval().to(dtype)
     ids = torch.randint(0, 30000, (batch, seq), device="cuda")
@@ -119,11 +160,11 @@ def inference_row(kind: str, dtype: torch.dtype, batch: int, seq: int) -> Row:
             with torch.no_grad():
                 fn(ids)
         return step
-    run_row(row, make)
+    run_row(row, make, rounds, profile)
     return row
 
 
-def training_row(name: str) -> Row:
+def training_row(name: str, rounds: int, profile: bool) -> Row:
     row = Row(f"{name} train fp32")
 
     def make(backend: str) -> Callable:
@@ -142,7 +183,7 @@ def training_row(name: str) -> Row:
             torch.compiler.cudagraph_mark_step_begin()
             train()
         return step
-    run_row(row, make)
+    run_row(row, make, rounds, profile)
     return row
 
 
@@ -166,6 +207,9 @@ def main() -> None:
     ap.add_argument("--rows", default="infer,train", help="infer, train or both")
     ap.add_argument("--only", help="comma-separated models: llama, gpt2, resnet18")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: keep every backend's step and time them interleaved, the median of this many rounds")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of each compiled backend's steps")
     args = ap.parse_args()
     wanted = lambda model: not args.only or model in args.only.split(",")  # noqa: E731
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -175,11 +219,11 @@ def main() -> None:
                                         ("llama", torch.float32, 1, 64), ("gpt2", torch.bfloat16, 1, 64),
                                         ("gpt2", torch.float32, 2, 96)]:
             if wanted(kind):
-                rows.append(inference_row(kind, dtype, batch, seq))
+                rows.append(inference_row(kind, dtype, batch, seq, args.rounds, args.profile))
     if "train" in args.rows:
         for name in ("gpt2", "resnet18"):
             if wanted(name):
-                rows.append(training_row(name))
+                rows.append(training_row(name, args.rounds, args.profile))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

@@ -13,7 +13,8 @@ torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each co
 
   * cold compile: the first call (Dynamo, AOTAutograd, the compiler; for training the whole first
     step, backward graph included), with the Inductor, Triton and torchfuse caches in fresh temp
-    folders for this process;
+    folders for this process, after each backend compiled a tiny function (imports and CUDA
+    start-up not counted); torchfuse's share by stage is printed and kept in --json;
   * accuracy, judged like Inductor's benchmark harness (see Judge).  fp32: relative error (L2
     norm of the difference over the norm of eager's) of the output, or of the loss and every
     parameter gradient of the first training step (all backends start from the same weights:
@@ -102,6 +103,7 @@ class Row:
     device: str
     results: dict[str, Result] = field(default_factory=lambda: {b: Result() for b in BACKENDS})
     tf_counters: dict[str, int] = field(default_factory=dict)
+    tf_stages: dict[str, float] = field(default_factory=dict)   # seconds of the first call, by stage
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -346,6 +348,7 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             before = dict(torchfuse.counters)
+            stages_before = dict(torchfuse.counters.seconds)
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -363,6 +366,10 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                     res.compile_s = time.perf_counter() - t0
                 if backend == "torchfuse":
                     row.tf_counters = {k: torchfuse.counters[k] - before.get(k, 0) for k in COUNTER_KEYS}
+                    row.tf_stages = {k: round(v - stages_before.get(k, 0.0), 3)
+                                     for k, v in torchfuse.counters.seconds.items() if v > stages_before.get(k, 0.0)}
+                    print(f"  torchfuse first call {res.compile_s:.1f} s; stages: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in sorted(row.tf_stages.items(), key=lambda kv: -kv[1])[:8]), flush=True)
                     if row.tf_counters["eager_fallbacks"]:
                         row.notes.append(f"{row.tf_counters['eager_fallbacks']} torchfuse graph(s) ran EAGERLY")
                     for w in caught:
@@ -390,6 +397,18 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
     torch._dynamo.reset()
     free_memory()
     return row
+
+
+def warm_up(backends: tuple[str, ...], device: str) -> None:
+    """Compile a tiny function with every backend first (forward and backward), as compile_bench
+    does, so that the first row's cold compile does not also carry imports, CUDA start-up and
+    Triton's driver build, which later rows never pay."""
+    for backend in backends:
+        torch._dynamo.reset()
+        fn = compile_with(backend, nn.Linear(4, 4).to(device))
+        fn(torch.randn(2, 4, device=device)).relu().sum().backward()
+    torch._dynamo.reset()
+    _sync(device)
 
 
 def time_on_cpu(row: Row, fns: dict[str, Callable], budget: float, wait: float, verbose: bool) -> None:
@@ -565,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"zoo: {len(selected)} rows, size {size!r} on {device_name}; torch {torch.__version__}")
     print(f"fresh caches under {_CACHE_ROOT}\n")
     print(HEAD, flush=True)
+    warm_up(backends, a.device)
     rows: list[Row] = []
     t_start = time.perf_counter()
     for zm, mode, dt in selected:

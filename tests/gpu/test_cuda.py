@@ -323,6 +323,30 @@ def test_launch_convention_verified_once_per_kind(monkeypatch):
     assert len(copies) == 1, copies
 
 
+def test_kernels_too_large_to_verify_on_launch_directly(monkeypatch):
+    """A model whose every kernel is too large to verify a launcher on (a ViT at batch 64) took
+    Triton's slow launch path on every call: the convention is verified on the probe kernel."""
+    from torchfuse.runtime import triton_launch
+    monkeypatch.setattr(triton_launch, "_trusted", {})
+    monkeypatch.setattr(triton_launch, "_probed", set())
+    monkeypatch.setattr(triton_launch, "_VERIFY_BYTES", 0)     # nothing of the model's is copied
+
+    def f(x, y):
+        return (x * 1.25).softmax(-1) @ y, (y - 0.375).sigmoid().sum(0)
+
+    known = set(triton_launch._modules)
+    cf = torch.compile(f, backend="torchfuse", options={"strict": True})
+    x, y = torch.randn(48, 80, device="cuda"), torch.randn(80, 80, device="cuda")
+    for _ in range(3):
+        for out, ref in zip(cf(x, y), f(x, y)):
+            torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert triton_launch._trusted and triton_launch._probed
+    kernels = [obj for key, m in triton_launch._modules.items() if key not in known
+               for obj in vars(m).values() if "_tf_fast" in getattr(obj, "__dict__", {})]
+    assert len(kernels) >= 2 and all(all(t.values()) for t in (k._tf_fast for k in kernels)), \
+        [k._tf_fast for k in kernels]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cnn_stem_training_saves_int8_pool_offsets(dtype):
     """conv-BN-ReLU-max-pool in training, channels-last: the forward saves int8 window offsets,

@@ -46,7 +46,8 @@ def setup(tmp_path):
     cache = tmp_path / "cache"
 
     def job(name, dtype=torch.float32, n=1024, block=1024):
-        return (str(module), "tf_test_kernels", name, (dtype, dtype, n) if name == "scale" else (dtype, n), (1,),
+        args = (dtype, dtype, n) if name == "scale" else (dtype, n)
+        return (str(module), "tf_test_kernels", name, tuple(map(compile_workers._encode, args)), (1,),
                 {"XBLOCK": block, "num_warps": 4}, GPUTarget("cuda", 90, 32), str(cache))
     yield pool, job, cache
     pool.close()
@@ -73,6 +74,47 @@ def test_a_job_leaves_a_binary_another_process_finds(setup):
     finally:
         other.close()
     assert _entries(cache) == first     # the same key in another process: a cache hit
+
+
+def test_workers_never_import_torch(setup, tmp_path):
+    """A worker starts in a fraction of the time when it does not import torch: two kernel
+    modules record whether torch is loaded, one before and one after the worker's first compile."""
+    pool, job, cache = setup
+    marks = []
+    for i in range(2):
+        mark = tmp_path / f"torch_loaded_{i}"
+        module = tmp_path / f"tf_mark_{i}.py"
+        module.write_text(f"import sys\nopen({str(mark)!r}, 'w').write(str('torch' in sys.modules))\n" + KERNELS)
+        marks.append(mark)
+        assert _errors(pool.run([(str(module),) + job("scale", torch.bfloat16)[1:]])) == [None]
+    assert [m.read_text() for m in marks] == ["False", "False"]
+
+
+def test_a_worker_binary_is_the_one_real_dtypes_ask_for(setup, tmp_path):
+    """The worker compiles with stand-in dtypes; a process with torch asking for the same kernel
+    with real dtypes must find that binary in the cache (a hit adds no entry)."""
+    import subprocess
+    import sys
+    pool, job, cache = setup
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        assert _errors(pool.run([job("scale", dtype)])) == [None]
+    compiled = _entries(cache)
+    assert len(compiled) == 3
+    script = f"""
+import importlib.util, torch, triton
+from triton.backends.compiler import GPUTarget
+from torchfuse.runtime import compile_workers
+compile_workers._use_target(GPUTarget("cuda", 90, 32))
+triton.knobs.cache.dir = {str(cache)!r}
+spec = importlib.util.spec_from_file_location("tf_test_kernels", {str(tmp_path / "tf_test_kernels.py")!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+for dtype in (torch.float32, torch.bfloat16, torch.int64):
+    module.scale.warmup(dtype, dtype, 1024, grid=(1,), XBLOCK=1024, num_warps=4)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=300)
+    assert _entries(cache) == compiled
 
 
 def test_errors_come_back_and_the_worker_goes_on(setup):
@@ -115,8 +157,9 @@ def test_only_kernels_loaded_from_a_file_become_jobs():
     def local(x):
         pass
     target = GPUTarget("cuda", 90, 32)
-    # defined in this test file: importable by path, so it is a job
-    assert compile_workers.job_for(local, (1,), (torch.float32,), {}, target, None)[2] == "local"
+    # defined in this test file: importable by path, so it is a job; a dtype travels by name
+    job = compile_workers.job_for(local, (1,), (torch.float32, 7), {}, target, None)
+    assert job[2] == "local" and job[3] == (("*", "float32"), 7)
 
     class NotAKernel:
         pass

@@ -16,6 +16,14 @@ Workers are started with `subprocess` (fork + exec of a fresh interpreter): fork
 that has CUDA and threads running is not safe, and multiprocessing's spawn would re-import the
 user's `__main__`.  They read pickled jobs on stdin and answer on a private copy of stdout; stray
 prints go to stderr, which is discarded.  They exit when the parent closes their stdin.
+
+Workers do not import torch (nor torchfuse: this file runs as a script).  Importing torch took
+~2 s of a worker's start, and 16 workers starting at once took longer: a model's first call
+waited for them (the H200 host: 2.6-4.4 s of precompile for 12-33 kernels).  A job therefore
+names a tensor argument's dtype by its name (`("*", "bfloat16")`), and the worker hands Triton
+a stand-in with that dtype, as Triton's own `MockTensor` does for `warmup`; Triton specializes
+on the dtype's name, so the binary and its cache key are the ones the parent asks for.  Should
+a Triton refuse the stand-in, the worker imports torch and uses real dtypes.
 """
 from __future__ import annotations
 
@@ -34,7 +42,7 @@ from typing import Any, Sequence
 
 log = logging.getLogger("torchfuse")
 
-# (module file, module name, kernel name, args (dtypes for tensors), grid, keyword arguments,
+# (module file, module name, kernel name, args (("*", dtype name) for tensors), grid, keyword arguments,
 #  GPUTarget, Triton cache dir or None)
 Job = tuple
 
@@ -115,12 +123,12 @@ def _alive(proc: subprocess.Popen | None) -> bool:
 
 
 def _spawn(target: Any = None) -> subprocess.Popen:
-    # the child must import this package even when it is not installed (a path added at run time)
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)    # workers exist to compile (tests set it process-wide)
     warm_up = [pickle.dumps(target).hex()] if target is not None else []
-    return subprocess.Popen([sys.executable, "-m", "torchfuse.runtime.compile_workers", *warm_up],
+    # this file as a script: importing the package would import torch
+    run = f"import runpy; runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"
+    return subprocess.Popen([sys.executable, "-c", run, *warm_up],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
 
 
@@ -147,7 +155,60 @@ def job_for(kernel: Any, grid: tuple, args: tuple, keywords: dict, target: Any, 
     path, module = scope.get("__file__"), scope.get("__name__")
     if not path or not module or not os.path.exists(path):
         return None
-    return (path, module, fn.__name__, args, grid, keywords, target, cache_dir)
+    return (path, module, fn.__name__, tuple(map(_encode, args)), grid, keywords, target, cache_dir)
+
+
+def _encode(arg: Any) -> Any:
+    """A torch dtype (a pointer argument planned without its tensor) as `("*", name)`: the worker
+    can unpickle it without importing torch."""
+    cls = type(arg)
+    if cls.__name__ == "dtype" and cls.__module__ == "torch":
+        return ("*", str(arg).rpartition(".")[2])
+    return arg
+
+
+class _DType:
+    """A torch dtype by name: what Triton reads of a pointer argument's dtype is `str(dtype)`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return f"torch.{self.name}"
+
+    __repr__ = __str__
+
+    def __eq__(self, other: Any) -> bool:
+        return str(self) == str(other)
+
+    def __hash__(self) -> int:
+        return hash(str(self))
+
+
+class _Pointer:
+    """A tensor argument for `warmup`, as Triton's `MockTensor`: a dtype and an aligned address."""
+
+    def __init__(self, dtype: Any):
+        self.dtype = dtype
+        self.shape = [1]
+
+    def stride(self) -> tuple:
+        return (1,)
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 0          # aligned to 16 bytes, as the parent's plan assumes
+
+    @staticmethod
+    def ptr_range() -> int:
+        return 0
+
+
+def _decode(args: tuple, real_dtypes: bool) -> tuple:
+    if real_dtypes:
+        import torch
+        return tuple(getattr(torch, a[1]) if type(a) is tuple else a for a in args)
+    return tuple(_Pointer(_DType(a[1])) if type(a) is tuple else a for a in args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +251,13 @@ def compile_job(job: Job) -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)     # type: ignore[union-attr]
         _modules[path] = module
-    binary = getattr(module, kernel_name).warmup(*args, grid=grid, **keywords)
+    kernel = getattr(module, kernel_name)
+    try:
+        binary = kernel.warmup(*_decode(args, real_dtypes=False), grid=grid, **keywords)
+    except Exception:         # a Triton that wants real dtypes: slower to start, same binary
+        if "torch" in sys.modules:
+            raise
+        binary = kernel.warmup(*_decode(args, real_dtypes=True), grid=grid, **keywords)
     _build_launcher(binary)
 
 
@@ -206,7 +273,6 @@ def _build_launcher(binary: Any) -> None:
 
 def _warm_up(target: Any) -> None:
     """Compile one small kernel, so that the first real job finds the compiler started."""
-    import torch
     import triton
     import triton.language as tl
 
@@ -220,8 +286,8 @@ def _warm_up(target: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="torchfuse-warm-up-") as fresh:
         triton.knobs.cache.dir = fresh          # a cache hit would start nothing
         try:
-            _build_launcher(warm_up.warmup(torch.float32, torch.float32, 1024, grid=(1,), XBLOCK=1024,
-                                           num_warps=4))
+            pointer = _Pointer(_DType("float32"))
+            _build_launcher(warm_up.warmup(pointer, pointer, 1024, grid=(1,), XBLOCK=1024, num_warps=4))
         finally:
             triton.knobs.cache.dir = saved
 
@@ -234,8 +300,7 @@ def _use_target(target: Any) -> None:
 
 
 def main() -> None:
-    import torch  # noqa: F401  (imported before the first job arrives: jobs carry torch dtypes)
-    import triton.compiler  # noqa: F401
+    import triton.compiler  # noqa: F401  (imported before the first job arrives)
     if len(sys.argv) > 1:
         try:
             _warm_up(pickle.loads(bytes.fromhex(sys.argv[1])))

@@ -280,6 +280,8 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before:
         return fast
 
     if before is None:
+        if kind not in _trusted:
+            _verify_on_probe(device)
         index = _trusted.get(kind)
         return fast_for(conventions[index]) if index is not None and index < len(conventions) else None
     torch.cuda.synchronize()
@@ -302,6 +304,42 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before:
     for t, e in zip(tensors, expected):    # undo whatever the wrong conventions wrote
         t.data.copy_(e)
     return False
+
+
+_probed: set[int] = set()
+
+
+def probe_launch(dtype: Any = None) -> tuple:
+    """The probe kernel's launch as (kernel, grid, args, constexprs, warps, names); with `dtype`,
+    tensors replaced by it (as precompile plans launches)."""
+    import torch
+
+    from . import launch_probe as lp
+    if dtype is None:
+        x = torch.randn(lp.ARGS_N, device="cuda")
+        tensors = (x, torch.zeros_like(x))
+    else:
+        tensors = (dtype, dtype)
+    return (lp.probe, (1, 1, 1), (*tensors, lp.ARGS_N, lp.ARGS_STEP), (lp.XBLOCK, lp.BIG), 4, ("XBLOCK", "BIG"))
+
+
+def _verify_on_probe(device: int) -> None:
+    """Trust a calling convention verified on the probe kernel (launch_probe.py), once per device,
+    for a kernel too large to verify on.  Not while a CUDA graph is being captured (the
+    verification synchronizes); the kernel then waits for a later launch."""
+    import torch
+    if device in _probed or torch.cuda.is_current_stream_capturing():
+        return
+    _probed.add(device)
+    try:
+        with torch.cuda.device(device):
+            kernel, grid, args, constexprs, warps, names = probe_launch()
+            before = [a.clone() for a in args if isinstance(a, _Tensor)]     # 8 KB: always copied
+            binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
+            if not _make_fast(binary, args, constexprs, grid, before):
+                log.debug("torchfuse: no direct launcher reproduced the probe kernel's launch")
+    except Exception as e:       # launches keep Triton's own path
+        log.debug("torchfuse: launch probe failed: %s: %s", type(e).__name__, e)
 
 
 _hook: Any = None     # set by launch_hook(): planned launches go there instead of to the GPU

@@ -85,8 +85,12 @@ def precompile(launches: list[tuple], workers: int) -> int:
     if not launches or workers < 2 or not enabled():
         return 0
     import triton
-    start = time.perf_counter()
-    _compile_in_workers(launches, workers)
+    start, planned = time.perf_counter(), len(launches)
+    if not triton_launch._trusted:
+        # a model whose kernels are all too large to verify a launcher on uses the probe's
+        launches = [*launches, triton_launch.probe_launch(torch.float32)]
+    with counters.timed("precompile: workers"):
+        _compile_in_workers(launches, workers)
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="torchfuse-compile") as pool:
             try:
@@ -99,10 +103,10 @@ def precompile(launches: list[tuple], workers: int) -> int:
     except Exception as e:        # a kernel that fails to compile fails again, with its error, on first use
         log.debug("torchfuse: parallel precompile stopped: %s: %s", type(e).__name__, e)
         return 0
-    counters.bump("kernels_precompiled", len(launches))
-    log.debug("torchfuse: precompiled %d Triton kernels with %d threads in %.2f s", len(launches), workers,
+    counters.bump("kernels_precompiled", planned)
+    log.debug("torchfuse: precompiled %d Triton kernels with %d threads in %.2f s", planned, workers,
               time.perf_counter() - start)
-    return len(launches)
+    return planned
 
 
 def _specialization(v: Any) -> Any:
