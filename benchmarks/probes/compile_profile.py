@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--mode", choices=("infer", "train"), default="infer")
+    ap.add_argument("--size", choices=("cpu", "gpu"), help='model size (default: "gpu" on cuda, "cpu" on cpu)')
+    ap.add_argument("--save", help="also write the profile here (pstats format)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--filter", default="torchfuse|_functorch|_inductor|triton|fx/|_subclasses",
                     help="regex: the cumulative table lists only functions whose file matches")
@@ -63,7 +65,7 @@ def main() -> None:
     before = dict(torchfuse.counters)
     in_process = _count_triton_compiles()
     zm = BY_NAME[args.only]
-    model, inputs = zm.make("gpu" if device == "cuda" else "cpu", device,
+    model, inputs = zm.make(args.size or ("gpu" if device == "cuda" else "cpu"), device,
                             torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     if args.mode == "train":
         model.train()
@@ -82,6 +84,8 @@ def main() -> None:
         torch.cuda.synchronize()
     profile.disable()
     total = time.perf_counter() - start
+    if args.save:
+        profile.dump_stats(args.save)
     counts = {k: torchfuse.counters[k] - before.get(k, 0)
               for k in ("graphs_compiled", "kernels_generated", "kernels_precompiled", "kernels_compiled_in_workers")}
     print(f"# {args.only} {args.mode}-{args.dtype} on {device}: first call {total:.2f} s (under cProfile)")

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 def test_planned_launches_match_the_real_ones(monkeypatch):
     planned: list[tuple] = []
     monkeypatch.setattr(triton_precompile, "enabled", lambda: True)     # plan under the interpreter too
-    monkeypatch.setattr(triton_precompile, "precompile", lambda launches, workers: planned.extend(launches) or 0)
+    monkeypatch.setattr(triton_precompile, "precompile", lambda launches, workers: planned.extend(launches))
     real: list[tuple] = []
     original = triton_launch._launch
 

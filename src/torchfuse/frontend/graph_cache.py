@@ -84,27 +84,41 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
     """A torchfuse-compiled aten graph as AOTAutograd's cache stores it (a module-level class:
     pickle finds it by name)."""
 
-    def __init__(self, call: Callable, graph: bytes, kind: str, static: set, training: Any, key: str):
+    def __init__(self, call: Callable, graph: tuple[fx.Graph, dict] | None, kind: str, static: set,
+                 training: Any, key: str, keep_graph: bool = False):
         super().__init__()
         self._boxed_call = True
         self._call: Callable | None = call
-        self._graph, self._kind, self._static, self._training = graph, kind, set(static), training
-        self._key = key
-        self._code: bytes | None = None     # the generated code, stored with the graph (saved_program.py)
+        # the aten graph as AOTAutograd gave it, pickled only when an entry needs it (below); in a
+        # list shared with the copies AOTAutograd serializes, so that it is freed once stored
+        self._pristine = [graph]
+        self._graph = b""
+        self._kind, self._static, self._training = kind, set(static), training
+        self._key, self._keep_graph = key, keep_graph
+        self._code: bytes | None = None     # the generated code (saved_program.py)
 
     def __call__(self, inputs: list) -> Any:
         return self._call(inputs)
 
     def prepare_for_serialization(self) -> None:
-        if not self._graph:
-            from torch._functorch._aot_autograd.autograd_cache import (
-                BypassAOTAutogradCache,
-            )
-            raise BypassAOTAutogradCache("torchfuse: the graph could not be pickled")
+        """Store the generated code; the graph only where a hit may have to compile it: no code
+        could be stored, CUDA graphs (whose runner is built by compiling), or a saved program
+        (loaded by another torchfuse, it compiles the graph).  Pickling the graph with its fake
+        tensors took GPT-2 0.6-1.2 s of a cold compile, for entries that link their code."""
+        from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
         if self._call is not None:
             from .saved_program import capture
             self._code = capture(self._call)
         self._call = None      # (the live callable stays behind; its code, if any, travels)
+        pristine, self._pristine = self._pristine, []
+        if self._code is None or self._keep_graph:
+            try:
+                self._graph = pristine[0] if isinstance(pristine[0], bytes) else _pickled(pristine[0])
+            except Exception as e:     # a graph the pickler cannot carry: compiled, never stored
+                raise BypassAOTAutogradCache(f"torchfuse: the graph could not be pickled: {type(e).__name__}: {e}")
+            pristine[0] = self._graph        # (a later save of the same graph reuses the bytes)
+        else:
+            pristine[0] = None
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         if self._call is not None:
@@ -113,7 +127,6 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         if compile is None:
             raise RuntimeError("torchfuse: a cached graph was loaded before any torchfuse backend "
                                "with its Config ran in this process")
-        counters.bump("graph_cache_hits")
         code = getattr(self, "_code", None)
         if code is not None and reuse_code and not config.cudagraphs:
             # the stored code, linked against the kernel cache: none of torchfuse's stages run
@@ -124,7 +137,13 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
                 log.warning("torchfuse: stored code did not load (%s: %s); compiling the graph again",
                             type(e).__name__, e)
             if self._call is not None:
+                counters.bump("graph_cache_hits")
                 return
+        if not self._graph:
+            # stored as code only: a miss (AOTAutograd compiles and stores the entry again)
+            from torch._functorch._aot_autograd import autograd_cache
+            miss = getattr(autograd_cache, "FXGraphCacheMiss", autograd_cache.BypassAOTAutogradCache)
+            raise miss("torchfuse: the entry's code cannot be used here and it has no graph")
         from torch._guards import detect_fake_mode
         from torch.fx._graph_pickler import GraphPickler
         fake_mode = detect_fake_mode(example_inputs)
@@ -133,6 +152,7 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
             fake_mode = FakeTensorMode()
         gm = GraphPickler.loads(self._graph, fake_mode)     # (a GraphModule: its code is generated)
         self._call = compile(self._kind, gm, self._static, self._training)
+        counters.bump("graph_cache_hits")
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
@@ -157,19 +177,47 @@ def serializable(kind: str, compile: Compile, static: Callable[[], set], trainin
     parts = _torch_parts()
     if parts is None:
         return None
-    SerializableAOTDispatchCompiler, _, _, GraphPickler = parts
+    SerializableAOTDispatchCompiler = parts[0]
     key = config_key(config)
 
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Any:
         positions = static()
-        try:
-            graph = GraphPickler.dumps(gm, **_pickle_options())     # before torchfuse's passes rewrite it
-        except Exception as e:     # a graph the pickler cannot carry: compiled, never stored
-            log.debug("torchfuse: graph cache: %s not stored: %s: %s", kind, type(e).__name__, e)
-            graph = b""
-        return TorchfuseCode(compile(kind, gm, positions, training), graph, kind, positions, training, key)
+        pristine = _copy(gm)         # before torchfuse's passes rewrite it
+        from .saved_program import in_aot_compile
+        return TorchfuseCode(compile(kind, gm, positions, training), pristine, kind, positions, training, key,
+                             keep_graph=config.cudagraphs or in_aot_compile())
 
     return SerializableAOTDispatchCompiler(TorchfuseCode, compile_fn)
+
+
+def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict] | None:
+    """A copy of the graph's nodes (their metadata dicts copied, the values in them shared) and of
+    the attributes it reads, which the passes rewriting `gm` leave as they are.  (No GraphModule
+    yet: generating its Python code is for the rare entry that stores the graph.)"""
+    try:
+        graph = fx.Graph()
+        value, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+        graph.output(value).meta.update(output.meta)
+        attrs = {n.target: _attr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr")}
+        return graph, attrs
+    except Exception as e:     # then only stored code can serve a hit
+        log.debug("torchfuse: graph cache: graph not copied: %s: %s", type(e).__name__, e)
+        return None
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _pickled(copy: tuple[fx.Graph, dict] | None) -> bytes:
+    from torch.fx._graph_pickler import GraphPickler
+    if copy is None:
+        raise ValueError("no copy of the graph")
+    graph, attrs = copy
+    return GraphPickler.dumps(fx.GraphModule(attrs, graph), **_pickle_options())
 
 
 def _pickle_options() -> dict:

@@ -12,6 +12,7 @@ import os
 import re
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable
 
@@ -291,10 +292,11 @@ class GeneratedCode:
 
 
 def build_and_link(code: GeneratedCode, config: Config, debug: "DebugWriter",
-                   precompile: Callable[[dict], None] | None = None) -> Callable:
+                   precompile: Callable[[dict], Future | None] | None = None) -> Callable:
     """Build (or load from the kernel cache) the kernels of `code` and bind its wrapper to them;
-    `precompile` compiles Triton kernels ahead of their first launch (a fresh compile knows the
-    launches; a restart leaves that to Triton's own cache)."""
+    `precompile` starts compiling Triton kernels ahead of their first launch (a fresh compile
+    knows the launches; a restart leaves that to Triton's own cache), and the first call waits
+    for it."""
     with counters.timed("build"):
         kernels = _build(code.backend, code.sources, code.kernel_args, config, debug)
     for dup, first in code.aliases.items():
@@ -306,26 +308,42 @@ def build_and_link(code: GeneratedCode, config: Config, debug: "DebugWriter",
         for name, (helper, variants, n_sizes, n_bufs, n_syms, kw) in code.sites.items():
             kernels[f"{name}_site"] = make_site(kernels[helper], [kernels[v] for v in variants], n_sizes, n_bufs,
                                                 n_syms, **kw)
+    pending = None
     if precompile is not None and code.backend == "triton" and not config.autotune and config.compile_workers != 1:
         with counters.timed("precompile"):
-            precompile(kernels)
+            pending = precompile(kernels)
     from ..runtime.wrapper import make_callable
     call = make_callable(code.wrapper, code.globals, kernels)
+    if pending is not None:
+        call = _first_call_waits(pending, call)
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # type: ignore[attr-defined]  (the libraries live as long as the callable)
     call._torchfuse_code = code  # type: ignore[attr-defined]
     return call
 
 
-def _precompile(kernels: dict, kernel_calls: dict[str, str], sched, program, config: Config) -> None:
-    """Compile the graph's Triton kernels in parallel now instead of one by one on first launch."""
+def _first_call_waits(pending: Future, call: Callable) -> Callable:
+    """`call`, whose first call first waits for its kernels' background compile to end."""
+    waiting = [pending]
+
+    def call_after_precompile(args: list) -> Any:
+        if waiting:
+            start = time.perf_counter()
+            waiting.pop().result()          # (the job logs its own failures; it never raises)
+            counters.add_seconds("precompile: wait", time.perf_counter() - start)
+        return call(args)
+    return call_after_precompile
+
+
+def _precompile(kernels: dict, kernel_calls: dict[str, str], sched, program, config: Config) -> Future | None:
+    """Start compiling the graph's Triton kernels in parallel instead of one by one on first launch."""
     from .triton_precompile import default_workers, enabled, plan_launches, precompile, symbol_values
     if not enabled():
-        return
+        return None
     calls = [(kernel_calls[k.name], k.bindings) for k in sched.kernels if k.name in kernel_calls]
     dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
     launches = plan_launches(calls, kernels, dtypes, symbol_values(program))
-    precompile(launches, config.compile_workers or default_workers())
+    return precompile(launches, config.compile_workers or default_workers())
 
 
 def _split_params(program, config: Config) -> SplitParams:
