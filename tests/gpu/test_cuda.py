@@ -240,13 +240,14 @@ def test_triton_kernels_precompiled_in_parallel_before_first_call():
     x, y, z = torch.randn(67, 65, device="cuda"), torch.randn(65, 67, device="cuda"), torch.randn(37, device="cuda")
     from triton.backends.nvidia.compiler import CUDABackend
     compiled_here = []
+    raw = CUDABackend.__dict__["make_ttir"]       # (a staticmethod: restored as it was)
     make_ttir = CUDABackend.make_ttir
     CUDABackend.make_ttir = staticmethod(lambda *a, **k: compiled_here.append(1) or make_ttir(*a, **k))
     before = dict(torchfuse.counters)
     try:
         out = torch.compile(fn, backend="torchfuse", options={"strict": True})(x, y, z)
     finally:
-        CUDABackend.make_ttir = make_ttir
+        CUDABackend.make_ttir = raw
     assert torchfuse.counters["kernels_precompiled"] - before.get("kernels_precompiled", 0) == 3
     assert torchfuse.counters["kernels_compiled_in_workers"] - before.get("kernels_compiled_in_workers", 0) == 3
     # the first launches found the workers' binaries in Triton's cache: nothing compiled here
