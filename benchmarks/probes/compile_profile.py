@@ -8,7 +8,8 @@ compiled in worker processes and how many in this process (a kernel compiled her
 workers compiled it means the parent's cache key differed from the worker's), then the profile
 by cumulative time (functions of torchfuse, AOTAutograd, FX, fake tensors and Triton: --filter)
 and by own time.  As compile_bench,
-a tiny function is compiled first, so imports and CUDA start-up are not counted.
+a tiny function is compiled first, so imports and CUDA start-up are not counted.  With
+`--caches=DIR` the caches live in DIR: run twice, and the second run profiles a warm start.
 """
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+_warm = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--caches=")), None)
 import zoo  # noqa: E402  (first: it points every compile cache at fresh folders)
+if _warm:   # a warm start: every cache in the given folder (made by an earlier run of this probe)
+    os.environ.update({var: os.path.join(_warm, sub) for var, sub in
+                       (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
+                        ("TORCHFUSE_CACHE_DIR", "torchfuse"))})
 import torch  # noqa: E402
 
 import torchfuse  # noqa: E402
@@ -54,6 +60,7 @@ def main() -> None:
     ap.add_argument("--size", choices=("cpu", "gpu"), help='model size (default: "gpu" on cuda, "cpu" on cpu)')
     ap.add_argument("--save", help="also write the profile here (pstats format)")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--caches", help="keep the compile caches in this folder (a second run is a warm start)")
     ap.add_argument("--filter", default="torchfuse|_functorch|_inductor|triton|fx/|_subclasses",
                     help="regex: the cumulative table lists only functions whose file matches")
     args = ap.parse_args()
