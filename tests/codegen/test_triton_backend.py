@@ -5,6 +5,7 @@ kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which ch
 code generation for correctness.  Shapes are small: the interpreter is slow, and says nothing
 about speed.
 """
+import inspect
 import os
 
 import pytest
@@ -234,3 +235,39 @@ def test_persistent_reduction_stores_only_what_leaves_the_kernel(tf, dtype):
     assert persistent.count("tl.store(") == 1
     if dtype == torch.bfloat16:      # (in fp32 the exp is recomputed, not realized)
         assert looped.count("tl.store(") == 2
+
+
+def test_size_symbols_are_not_specialized():
+    """Triton compiles a binary per specialization of an int argument (1, divisible by 16): a
+    symbolic batch of 16 compiled eight of a Llama's kernels again.  Size symbols, and numels not
+    known to be multiples of 16, are `do_not_specialize`; a numel with a constant factor of 16
+    keeps its specialization, which holds at every size."""
+    from torchfuse.codegen.triton import _jit
+    from torchfuse.ir.nodes import const, floordiv, mul, sym
+    s0, s1 = sym("s0"), sym("s1")
+    assert _jit([], {"xnumel": [const(7), const(64)]}) == "@triton.jit"
+    assert _jit(["s0"], {"xnumel": [s0, const(64)], "rnumel": [const(100)]}) == \
+        "@triton.jit(do_not_specialize=['s0'])"
+    assert _jit(["s0"], {"xnumel": [mul(s0, 3), const(5)]}) == "@triton.jit(do_not_specialize=['s0', 'xnumel'])"
+    assert _jit(["s0", "s1"], {"xnumel": [s0, mul(s1, 8)], "rnumel": [mul(s1, 32)]}) == \
+        "@triton.jit(do_not_specialize=['s0', 's1', 'xnumel'])"
+    assert "'xnumel'" in _jit(["s0"], {"xnumel": [floordiv(s0, 2), const(24)]})     # a quotient: factor 1
+    assert "'xnumel'" not in _jit(["s0"], {"xnumel": [floordiv(s0, 2), const(32)]})
+
+
+def test_dynamic_kernels_take_every_size(tf):
+    """A graph compiled with symbolic sizes runs at sizes of every specialization class (1,
+    multiples of 16, others) through the same kernels, with eager's results."""
+    from torchfuse.runtime import triton_launch
+    known = set(triton_launch._modules)
+
+    def fn(x, y):
+        return (x * 2.5).softmax(-1), (y + 1.25).sin()
+    compiled = torch.compile(fn, backend="torchfuse", dynamic=True, options={**TRITON, "strict": True})
+    for n in (3, 16, 1, 32, 7):
+        x, y = tf.rand((n, 32)), tf.rand((n, 5))
+        tf.assert_same(compiled(x, y), fn(x, y), atol=1e-5, rtol=1e-5)
+    sources = [inspect.getsource(m) for key, m in triton_launch._modules.items() if key not in known]
+    decorators = [line for src in sources for line in src.splitlines() if line.startswith("@triton.jit(")]
+    assert decorators and all("do_not_specialize=" in d for d in decorators), decorators
+    assert any("'xnumel'" in d for d in decorators), decorators      # (y's n * 5 elements)

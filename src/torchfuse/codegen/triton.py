@@ -357,6 +357,10 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
                                                       "RBLOCK: tl.constexpr", "BIG: tl.constexpr"])
     out: list[str] = []
     tile = tile_dims(plan)
+    numels = {"xnumel": plan.outer, "rnumel": plan.inner}
+    if tile is not None:
+        numels = {"xnumel": [plan.outer[tile[1]]], "ynumel": [plan.outer[tile[0]]]}
+    jit = _jit(syms_list, numels)
     if tile is not None:
         params = ", ".join(read + written + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
                                                           "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
@@ -365,7 +369,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         _emit_tile_indices(em, plan, *tile)
         em.mask = "xmask"
         _emit_values(em, plan, plan.members, "xmask")
-        out.append(f"@triton.jit\ndef {kernel.name}_tiled({params}):\n" + "\n".join(em.lines))
+        out.append(f"{jit}\ndef {kernel.name}_tiled({params}):\n" + "\n".join(em.lines))
     elif kernel.kind == "pointwise":
         em = TritonEmitter(dtypes)
         _static_numels(em, xnumel=plan.outer)
@@ -378,7 +382,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         _unflatten(em, "xindex", plan.outer, "x")
         em.mask = "xmask"
         _emit_values(em, plan, plan.members, "xmask")
-        out.append(f"@triton.jit\ndef {kernel.name}({params}):\n" + "\n".join(em.lines))
+        out.append(f"{jit}\ndef {kernel.name}({params}):\n" + "\n".join(em.lines))
     else:
         columns = rows_contiguous(plan)
         for persistent in (True, False):
@@ -399,8 +403,38 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
             _unflatten(em, "xindex", plan.outer, "x")
             _emit_reduction_body(em, plan, persistent)
             suffix = "_persistent" if persistent else "_looped"
-            out.append(f"@triton.jit\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
+            out.append(f"{jit}\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
     return "\n\n\n".join(out), read + written, syms_list
+
+
+def _jit(syms: list[str], numels: dict[str, Sequence[Node]]) -> str:
+    """The kernel's decorator.  Triton compiles a binary per specialization of its int arguments
+    (equal to 1, divisible by 16); a size symbol's value, and a numel made of one, would give a
+    new batch size a new binary: a Llama compiled with a symbolic batch compiled eight kernels
+    again at batch 16, ~1 s.  They are not specialized, as Inductor specializes only sizes
+    known to be multiples of 16; a numel whose constant factors make it one stays specialized,
+    since that holds at every size (and lets Triton prove masks uniform over vectors)."""
+    unstable = list(syms)
+    for name, sizes in numels.items():
+        factor, symbolic = 1, False
+        for size in sizes:
+            size_factor, size_symbolic = _constant_factor(size)
+            factor, symbolic = factor * size_factor, symbolic or size_symbolic
+        if symbolic and factor % 16:
+            unstable.append(name)
+    return f"@triton.jit(do_not_specialize={unstable!r})" if unstable else "@triton.jit"
+
+
+def _constant_factor(size: Node) -> tuple[int, bool]:
+    """(a constant that divides `size` at every value of its symbols, whether it has any)."""
+    if size.op == "const":
+        return int(size.arg), False
+    if size.op == "mul":
+        factor = 1
+        for arg in size.args:
+            factor *= _constant_factor(arg)[0]
+        return factor, True
+    return 1, True
 
 
 def _static_numels(em: TritonEmitter, **numels: Sequence[Node]) -> None:
