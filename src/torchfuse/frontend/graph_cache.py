@@ -4,11 +4,11 @@ AOTAutograd consults its on-disk cache (torch/_functorch/_aot_autograd/autograd_
 forward compiler is a `SerializableAOTDispatchCompiler` whose results are `OutputCode`s, and in
 bundled mode stores those results pickled inside the entry, next to everything its runtime
 wrappers need (input mutations, aliasing, the backward).  torchfuse's result, `TorchfuseCode`,
-pickles as the aten graph it was compiled from (torch's GraphPickler, fake tensors included),
-the compile's kind and static inputs, and the code torchfuse generated for it (C++ kernels and
-wrapper, see saved_program.py): on a hit, `post_compile` links that code again (the kernels come
-from the kernel cache), or, where no usable code was stored, runs torchfuse's own stages on the
-graph again (tens of milliseconds); Dynamo's trace is all that precedes it.
+pickles as the code torchfuse generated (kernels and wrapper, see saved_program.py), the
+compile's kind and static inputs, and, only where a hit may have to compile it, the aten graph it
+was compiled from (torch's GraphPickler, fake tensors included): on a hit, `post_compile` links
+the code again (the kernels come from the kernel cache), or runs torchfuse's own stages on the
+stored graph; an entry with neither usable is a miss.  Dynamo's trace is all that precedes it.
 
 The entry's key hashes the Dynamo graph, its inputs and torch's configs; torchfuse's source and
 `Config` must be in it too, or a stale entry would load.  AOTAutograd hashes the UUID of Inductor's
