@@ -172,3 +172,27 @@ def test_broadcast_of_a_parameter_is_not_held():
         e = torchfuse.explain(fn, x)
         torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-6)
     assert e.frozen and f"({3 * 49 * 49} elements)" in e.frozen[0], e.frozen
+
+
+def test_gather_larger_than_its_table_is_not_held():
+    """A learned position embedding gathered at constant positions for every sequence of the
+    batch (OPT) selects rows: the reader gathers them in its own kernel for the reads a held copy
+    costs, so the gather is not held once it is larger than its table (here 1.5x); a gather
+    smaller than its table still is."""
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.table = nn.Parameter(torch.randn(2048, 64))
+
+    def fn(x):
+        positions = (torch.arange(x.shape[1], dtype=torch.long) + 2).expand(x.shape[0], x.shape[1])
+        return x + torch.nn.functional.embedding(positions, m.table) * 0.5
+
+    x = torch.randn(2, 1536, 64)       # [2, 1536, 64] gathered from a [2048, 64] table: 1.5x
+    with torch.no_grad():
+        e = torchfuse.explain(fn, x)
+        torch.testing.assert_close(e.output, fn(x))
+        assert not e.frozen, e.frozen
+        small = torch.randn(1, 1536, 64)   # 0.75x the table: held
+        e = torchfuse.explain(fn, small)
+        torch.testing.assert_close(e.output, fn(small))
+    assert e.frozen and f"({1536 * 64} elements)" in e.frozen[0], e.frozen

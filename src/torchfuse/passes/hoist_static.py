@@ -19,9 +19,9 @@ node reads, excluding
   * views of a parameter (free to recompute; a hoisted copy would only cost memory),
   * broadcasts: a value EXPANSION times larger than the storage of the tensors it reads (a
     Swin window attention's position bias added to its shift mask, [windows, heads, 49, 49]
-    from a [heads, 49, 49] table: 127 MiB held between calls at batch 32); its inputs are
-    hoisted instead and the broadcast is recomputed inside the kernel that reads it (so is a
-    T5 bias gathered from its bucket table into [heads, q, k]),
+    from a [heads, 49, 49] table: 127 MiB held between calls at batch 32), or a gather larger
+    than it; its inputs are hoisted instead and the value is recomputed inside the kernel that
+    reads it (so is a T5 bias gathered from its bucket table into [heads, q, k]),
   * values the graph returns or writes (the caller would see or corrupt the cached tensor),
   * anything random, mutating, with symbolic sizes, or not a plain strided tensor.
 """
@@ -53,6 +53,11 @@ class HoistedValues:
 
 EXPANSION = 2
 _SMALL = 1 << 16      # elements: a value this small is held whatever it is computed from
+# A gather only selects: its reader can gather in its own kernel for the same reads a held copy
+# would cost, so a gathered value larger than what it reads is not held (OPT's learned position
+# embedding gathered for every sequence of the batch: 6 MiB held, 2.0x its table, at batch 8).
+_GATHERS = {torch.ops.aten.index.Tensor, torch.ops.aten._unsafe_index.Tensor, torch.ops.aten.embedding.default,
+            torch.ops.aten.gather.default, torch.ops.aten.index_select.default}
 
 
 def _storage_numel(val: torch.Tensor) -> int:
@@ -70,7 +75,7 @@ def _broadcasts(node: fx.Node) -> bool:
         return False
     reads = [a.meta.get("val") for a in flat_nodes((node.args, node.kwargs))]
     read = sum(_storage_numel(v) for v in reads if isinstance(v, torch.Tensor))
-    return val.numel() > EXPANSION * read
+    return val.numel() > (1 if node.target in _GATHERS else EXPANSION) * read
 
 
 def _is_view_of_source(node: fx.Node, sources: set[fx.Node]) -> bool:
