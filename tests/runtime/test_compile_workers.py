@@ -173,3 +173,47 @@ def test_a_worker_that_does_not_answer_in_time_is_killed(setup, monkeypatch):
     assert error.startswith("worker failed: TimeoutError")
     monkeypatch.setattr(compile_workers, "JOB_TIMEOUT", 300.0)
     assert _errors(pool.run([job("scale", block=256)])) == [None]      # a new worker took the slot
+
+
+def test_new_sizes_of_a_symbolic_graph_reuse_one_binary(setup, tmp_path):
+    """A graph compiled with symbolic sizes must compile no kernel at a new batch size: its
+    kernels do not specialize on the size symbols (codegen/triton.py), so sizes of every
+    specialization class (1, multiples of 16, others) find one binary.  Compiled here for a CUDA
+    target from the Triton source torchfuse generated (on a GPU, batch 16 compiled 8 of a
+    Llama's kernels again before)."""
+    import inspect
+
+    from torchfuse.runtime import triton_launch
+    pool, job, cache = setup
+    known = set(triton_launch._modules)
+    compiled = torch.compile(lambda y: (y + 1.25).sin(), backend="torchfuse", dynamic=True,
+                             options={"cpu_backend": "triton", "strict": True})
+    for n in (3, 6):
+        y = torch.randn(n, 5)
+        torch.testing.assert_close(compiled(y), (y + 1.25).sin())
+    module = next(m for key, m in triton_launch._modules.items() if key not in known)
+    source = inspect.getsource(module)
+    assert "do_not_specialize=" in source, source
+    fn = next(v for v in vars(module).values() if hasattr(v, "fn") and v.fn.__name__.startswith("poi_"))
+    params = list(inspect.signature(fn.fn).parameters.values())
+    constexprs = {p.name: {"XBLOCK": 128, "RBLOCK": 1, "BIG": False}[p.name] for p in params
+                  if "constexpr" in str(p.annotation)}
+    from triton.backends.compiler import GPUTarget
+
+    def args_for(n: int) -> tuple:
+        values = {"xnumel": 5 * n, "rnumel": 1}
+        out = []
+        for p in params:
+            if p.name in constexprs:
+                continue
+            if p.name in values:
+                out.append(values[p.name])
+            elif p.name.startswith("s") and p.name[1:].isdigit():     # a size symbol
+                out.append(n)
+            else:
+                out.append(compile_workers._encode(torch.float32))
+        return tuple(out)
+    jobs = [(module.__file__, module.__name__, fn.fn.__name__, args_for(n), (1,), {**constexprs, "num_warps": 2},
+             GPUTarget("cuda", 90, 32), str(cache)) for n in (3, 16, 1, 32)]
+    assert _errors(pool.run(jobs)) == [None] * 4
+    assert len(_entries(cache)) == 1, _entries(cache)
