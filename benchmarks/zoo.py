@@ -41,10 +41,15 @@ import os
 import tempfile
 
 # Fresh compile caches, set before torch, Triton or torchfuse are imported (as gpu_bench does).
+def cache_dirs(root: str) -> dict[str, str]:
+    """The environment that puts Inductor's, Triton's and torchfuse's caches under `root`."""
+    return {var: os.path.join(root, sub) for var, sub in
+            (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
+             ("TORCHFUSE_CACHE_DIR", "torchfuse"))}
+
+
 _CACHE_ROOT = tempfile.mkdtemp(prefix="tf-zoo-")
-_CACHE_DIRS = {var: os.path.join(_CACHE_ROOT, sub) for var, sub in
-               (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
-                ("TORCHFUSE_CACHE_DIR", "torchfuse"))}
+_CACHE_DIRS = cache_dirs(_CACHE_ROOT)
 os.environ.update(_CACHE_DIRS)
 
 import argparse  # noqa: E402

@@ -26,9 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _warm = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--caches=")), None)
 import zoo  # noqa: E402  (first: it points every compile cache at fresh folders)
 if _warm:   # a warm start: every cache in the given folder (made by an earlier run of this probe)
-    os.environ.update({var: os.path.join(_warm, sub) for var, sub in
-                       (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
-                        ("TORCHFUSE_CACHE_DIR", "torchfuse"))})
+    os.environ.update(zoo.cache_dirs(_warm))
 import torch  # noqa: E402
 
 import torchfuse  # noqa: E402

@@ -365,7 +365,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         params = ", ".join(read + written + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
                                                           "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
         em = TritonEmitter(dtypes)
-        _static_numels(em, xnumel=[plan.outer[tile[1]]], ynumel=[plan.outer[tile[0]]])
+        _static_numels(em, **numels)
         _emit_tile_indices(em, plan, *tile)
         em.mask = "xmask"
         _emit_values(em, plan, plan.members, "xmask")
@@ -392,7 +392,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
             # masked column tiles measured faster (bf16 [8192, 2304] sum(0): 12.1 vs 14.6 us
             # unmasked; probes/long_rows.py --only masks)
             em.drop_masks = not columns
-            _static_numels(em, xnumel=plan.outer, rnumel=plan.inner)
+            _static_numels(em, **numels)
             em.line("pid = tl.program_id(0)")
             em.line("if BIG:")
             em.line("    pid = pid.to(tl.int64)")

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
@@ -198,18 +199,11 @@ def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict] | None:
         graph = fx.Graph()
         value, output = graph.graph_copy(gm.graph, {}, return_output_node=True)
         graph.output(value).meta.update(output.meta)
-        attrs = {n.target: _attr(gm, n.target) for n in gm.graph.find_nodes(op="get_attr")}
+        attrs = {n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.find_nodes(op="get_attr")}
         return graph, attrs
     except Exception as e:     # then only stored code can serve a hit
         log.debug("torchfuse: graph cache: graph not copied: %s: %s", type(e).__name__, e)
         return None
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _pickled(copy: tuple[fx.Graph, dict] | None) -> bytes:
