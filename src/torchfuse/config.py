@@ -68,7 +68,8 @@ class Config:
 
     # --- graph passes ------------------------------------------------------------------------
     passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold",
-                               "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "dce")
+                               "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias",
+                               "strided_1x1_grads", "dce")
     """The aten graph passes to run, in order: registered names (torchfuse.passes.REGISTRY,
     torchfuse.register_pass), callables (gm, ctx) -> changes, or torch.fx PassBase objects."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu",)

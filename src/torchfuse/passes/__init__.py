@@ -29,6 +29,7 @@ from .pad_mm import pad_mm as _pad_mm
 from .unfuse_bias import unfuse_addmm as _unfuse_addmm
 from .unfuse_bias import unfuse_conv_bias as _unfuse_conv_bias
 from .simplify import simplify as _simplify
+from .strided_1x1_grads import strided_1x1_grads as _strided_1x1_grads
 
 __all__ = ["REGISTRY", "PassContext", "PassRecord", "run_passes", "DEFAULT_PIPELINE"]
 
@@ -47,10 +48,12 @@ REGISTRY: dict[str, Pass] = {
     "pad_mm": _pad_mm,
     "unfuse_addmm": _unfuse_addmm,
     "unfuse_conv_bias": _unfuse_conv_bias,
+    "strided_1x1_grads": _strided_1x1_grads,
 }
 
 DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold",
-                                     "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "dce")
+                                     "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "strided_1x1_grads",
+                                     "dce")
 
 
 def run_passes(gm: torch.fx.GraphModule, names: Sequence[Any], ctx: PassContext) -> list[PassRecord]:
