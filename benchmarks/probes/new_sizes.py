@@ -1,7 +1,8 @@
 """What a new batch size costs: one zoo model compiled with torchfuse at its own batch, then called
 at other batch sizes, counting for each size the graphs torchfuse compiled, the kernels it
-generated, the Triton compiles this process ran itself, the first call's seconds and the largest
-difference from eager.
+generated, the Triton compiles this process ran itself, the first call's seconds, the largest
+difference from eager, and the median time of later calls, torchfuse's and eager's (a graph
+compiled for symbolic sizes should run as fast as eager and the static graph did).
 
     python benchmarks/probes/new_sizes.py --only llama --dtype bf16 --batches 4,16,3,32,5
     python benchmarks/probes/new_sizes.py --only resnet18 --mode train --batches 32,96,17,128
@@ -41,6 +42,18 @@ def _rows(inputs: tuple[torch.Tensor, ...], batch: int, seed: int) -> tuple[torc
             y = y.contiguous(memory_format=torch.channels_last)
         out.append(y)
     return tuple(out)
+
+
+def _ms(fn, device: str, calls: int = 5) -> float:
+    """Median milliseconds of `calls` calls after one more (the size's steady speed)."""
+    times = []
+    for _ in range(calls + 1):
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[calls // 2] * 1e3
 
 
 def main() -> None:
@@ -86,13 +99,15 @@ def main() -> None:
         counts = [torchfuse.counters[k] - before[k] for k in COUNTS]
         want = run(model, xs)
         err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
-        rows.append((batch, *counts, in_process[0] - triton_before, seconds, err))
+        rows.append((batch, *counts, in_process[0] - triton_before, seconds, err,
+                     _ms(lambda: run(compiled, xs), device), _ms(lambda: run(model, xs), device)))
     print(f"# {args.only} {args.mode}-{args.dtype} on {device}{' dynamic=True' if args.dynamic else ''}"
           f" ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'})")
-    print("| batch | graphs compiled | kernels generated | Triton compiles here | first call s | max rel err |")
-    print("|---|---|---|---|---|---|")
-    for batch, graphs, kernels, tcomp, seconds, err in rows:
-        print(f"| {batch} | {graphs} | {kernels} | {tcomp} | {seconds:.2f} | {err:.1e} |")
+    print("| batch | graphs compiled | kernels generated | Triton compiles here | first call s | max rel err "
+          "| torchfuse ms | eager ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch, graphs, kernels, tcomp, seconds, err, ms, eager_ms in rows:
+        print(f"| {batch} | {graphs} | {kernels} | {tcomp} | {seconds:.2f} | {err:.1e} | {ms:.2f} | {eager_ms:.2f} |")
 
 
 if __name__ == "__main__":

@@ -255,6 +255,41 @@ def test_size_symbols_are_not_specialized():
     assert "'xnumel'" not in _jit(["s0"], {"xnumel": [floordiv(s0, 2), const(32)]})
 
 
+def test_dynamic_kernels_keep_their_block_sizes(tf, monkeypatch):
+    """Block sizes, warps and the persistent/looped choice are part of Triton's compile key: for a
+    graph with symbolic sizes they must not follow the sizes, or every new batch compiles kernels
+    again (resnet18 training on an H100: 54 compiles at the second new batch).  A pointwise
+    kernel, a transpose tile, a column sum and row reductions keep one launch configuration at
+    every size; a reduction over rows of symbolic length has two at most (its first row block,
+    and the looped kernel for longer rows)."""
+    from torchfuse.runtime import triton_launch
+    configs: dict[str, set] = {}
+    real = triton_launch._launch
+
+    def spy(kernel, grid, args, constexprs, warps, names=("XBLOCK", "RBLOCK", "BIG")):
+        name = kernel.fn.__name__      # a reduction's persistent and looped variants: one entry
+        base = name.rsplit("_", 1)[0] if name.endswith(("_persistent", "_looped")) else name
+        configs.setdefault((kernel.fn.__module__, base), set()).add((name, constexprs, warps))
+        return real(kernel, grid, args, constexprs, warps, names)
+    monkeypatch.setattr(triton_launch, "_launch", spy)
+
+    def fn(x, y, z):
+        return ((x * 2.5).exp(), (x + 1.0).t().contiguous(), y.sum(0), (y * 3.0).softmax(-1),
+                z.float().softmax(-1))
+    compiled = torch.compile(fn, backend="torchfuse", dynamic=True, options={**TRITON, "strict": True})
+    for i, n in enumerate((40, 3, 700, 16, 33)):       # (size 1 is a graph of its own: Dynamo's 0/1 rule)
+        x, y, z = tf.rand((n, 48)), tf.rand((n, 24)), tf.rand((4, 8 * n), torch.bfloat16)
+        tf.assert_same(compiled(x, y, z), fn(x, y, z), atol=1e-2, rtol=1e-2)
+        if i == 0:
+            first = {k: set(v) for k, v in configs.items()}
+    assert len(configs) >= 4, configs
+    for name, seen in configs.items():
+        new = seen - first.get(name, set())
+        if len(seen) > 1:      # only a row-symbolic reduction's looped kernel may come later
+            assert len(seen) == 2 and all(k[0].endswith("_looped") for k in new), (name, seen)
+    assert any(len(seen) == 2 for seen in configs.values()), configs    # z's rows outgrew the first block
+
+
 def test_dynamic_kernels_take_every_size(tf):
     """A graph compiled with symbolic sizes runs at sizes of every specialization class (1,
     multiples of 16, others) through the same kernels, with eager's results."""

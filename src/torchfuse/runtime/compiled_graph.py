@@ -207,8 +207,10 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                 if tile is not None:
                     ny, nx = (py_index(plan.outer[d]) for d in tile)
                     helper, variants, sizes, kw = "_launch_tiled", [f"{kernel.name}_tiled"], [nx, ny, xnumel, big], {}
+                    sym = tuple(_symbolic(plan.outer[d]) for d in reversed(tile))
                 elif kernel.kind == "pointwise":
                     helper, variants, sizes, kw = "_launch_pointwise", [kernel.name], [xnumel, big], {}
+                    sym = (_symbolic(_product(plan.outer)),)
                 else:
                     helper, variants = "_launch_reduction", [f"{kernel.name}_persistent", f"{kernel.name}_looped"]
                     sizes = [xnumel, py_index(_product(plan.inner)), big]
@@ -216,6 +218,9 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                     if not kw and _always_persistent(plan):
                         # values the row's later loops read back stay in registers: no buffer
                         register_only |= plan.carried
+                    sym = (_symbolic(_product(plan.outer)), _symbolic(_product(plan.inner)))
+                if any(sym):       # block sizes that hold for every value (triton_launch._LARGE)
+                    kw["sym"] = sym
                 # the wrapper calls the kernel's own call site; the helper call (the same launch)
                 # is what the parallel precompile plans from
                 kernel_calls[kernel.name] = (f"{helper}({', '.join(variants + sizes + bufs + syms)}"
@@ -410,6 +415,10 @@ def _always_persistent(plan: Any) -> bool:
     from .triton_launch import PERSISTENT_LIMIT
     rnumel = _product(plan.inner)
     return rnumel.op == "const" and rnumel.arg <= PERSISTENT_LIMIT
+
+
+def _symbolic(size: Any) -> bool:
+    return size.op != "const"
 
 
 def _product(sizes):

@@ -403,12 +403,21 @@ def _run(plan: tuple, args: tuple) -> tuple[Any, tuple]:
     return _launch(kernel, grid, args + tail, constexprs, warps, names), plan
 
 
-def _pointwise_plan(kernel: Any, xnumel: int, big: bool, args: tuple) -> tuple:
+# Sizes that are symbols of a dynamic graph (`sym`, one flag per size the helper takes, from the
+# generated code) choose block sizes that do not depend on their value: every block size, warp
+# count and persistent/looped choice is part of Triton's compile key, and a choice made from the
+# value compiled the kernel again for a new batch size (resnet18 training on an H100: 54 Triton
+# compiles at the second new batch, 34 at the third).  A symbolic dim is taken as large (the
+# block sizes that values above a few thousand all get), except a reduction's row length, below.
+_LARGE = 1 << 20
+
+
+def _pointwise_plan(kernel: Any, xnumel: int, big: bool, args: tuple, sym: tuple = ()) -> tuple:
     def plan(xblock: int, warps: int) -> tuple:
         return (kernel, ((xnumel + xblock - 1) // xblock, 1, 1), (xnumel, 1), (xblock, 1, big), warps,
                 ("XBLOCK", "RBLOCK", "BIG"))
 
-    xblock = min(POINTWISE_XBLOCK, _next_pow2(xnumel))
+    xblock = min(POINTWISE_XBLOCK, _next_pow2(_LARGE if sym and sym[0] else xnumel))
     warps = 4 if xblock >= 512 else 2
     if _tuning(kernel) and xnumel >= 4096:
         key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}"
@@ -417,13 +426,13 @@ def _pointwise_plan(kernel: Any, xnumel: int, big: bool, args: tuple) -> tuple:
     return plan(xblock, warps)
 
 
-def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any) -> Any:
+def launch_pointwise(kernel: Any, xnumel: int, big: bool, *args: Any, sym: tuple = ()) -> Any:
     plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
     plan = plans.get((xnumel, big))
     if plan is None:
         if xnumel == 0:
             return
-        plan = plans[(xnumel, big)] = _pointwise_plan(kernel, xnumel, big, args)
+        plan = plans[(xnumel, big)] = _pointwise_plan(kernel, xnumel, big, args, sym)
     return _run(plan, args)
 
 
@@ -441,7 +450,8 @@ def tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, int, 
     return xblock, yblock, 8 if tile >= 8192 else 4 if tile >= 2048 else 2
 
 
-def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, args: tuple) -> tuple:
+def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, args: tuple,
+                sym: tuple = ()) -> tuple:
     others = numel // (xnumel * ynumel)
 
     def plan(xblock: int, yblock: int, warps: int) -> tuple:
@@ -452,7 +462,8 @@ def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, ar
     # Precompile plans with dtypes in place of tensors; the plan it makes is the one kept.
     itemsize = max((a.element_size() if isinstance(a, _Tensor) else a.itemsize
                     for a in args if isinstance(a, (_Tensor, _dtype))), default=4)
-    xblock, yblock, warps = tile_blocks(xnumel, ynumel, itemsize)
+    xblock, yblock, warps = tile_blocks(_LARGE if sym and sym[0] else xnumel, _LARGE if sym and sym[1] else ynumel,
+                                        itemsize)
     if _tuning(kernel) and numel >= 4096:
         key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}:{_next_pow2(ynumel)}"
         cands = [(x, y, w) for x, y in ((32, 32), (64, 64), (128, 32), (32, 128), (64, 32), (32, 64))
@@ -461,14 +472,14 @@ def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, ar
     return plan(xblock, yblock, warps)
 
 
-def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any) -> Any:
+def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any, sym: tuple = ()) -> Any:
     """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims."""
     plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
     plan = plans.get((xnumel, ynumel, numel, big))
     if plan is None:
         if numel == 0:
             return
-        plan = plans[(xnumel, ynumel, numel, big)] = _tiled_plan(kernel, xnumel, ynumel, numel, big, args)
+        plan = plans[(xnumel, ynumel, numel, big)] = _tiled_plan(kernel, xnumel, ynumel, numel, big, args, sym)
     return _run(plan, args)
 
 
@@ -485,9 +496,26 @@ def _sm_count() -> int:
     return _sms[0]
 
 
+def _looped_plan(looped: Any, xnumel: int, rnumel: int, big: bool) -> tuple:
+    return looped, (xnumel, 1, 1), (xnumel, rnumel), (1, LOOPED_RBLOCK, big), 16, ("XBLOCK", "RBLOCK", "BIG")
+
+
+def _row_block(persistent: Any, rnumel: int) -> int:
+    """A reduction over rows of symbolic length keeps the persistent row block of the first length
+    it ran at (0: rows too long, looped), as Inductor picks block sizes from the size hint: longer
+    rows later take the looped kernel, shorter ones are masked.  Two binaries at most, whatever
+    the sizes; the graph's precompile builds both."""
+    rblock = persistent.__dict__.get("_tf_row_block")
+    if rblock is None:
+        rblock = persistent.__dict__["_tf_row_block"] = _next_pow2(max(rnumel, 1)) if rnumel <= PERSISTENT_LIMIT else 0
+    return rblock
+
+
 def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, xfast: bool,
-                    args: tuple) -> tuple:
+                    args: tuple, sym: tuple = ()) -> tuple:
     tail = (xnumel, rnumel)
+    rows_sym, row_sym = (tuple(sym) + (False, False))[:2]
+    xsize = _LARGE if rows_sym else xnumel     # what the block sizes see (see _pointwise_plan)
     # Column sums (rows contiguous across each other, e.g. a layer norm's weight gradient over
     # [2048, 768]): a persistent tile of one row per program would read one element per 32-byte
     # sector (49 us for 6 MB on the H100).  Tiles of several rows walk the reduced dim in a loop
@@ -498,14 +526,19 @@ def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big:
     # probes/column_tile.py on the H100: 32 columns x 2048 elements with 8 warps kept too few
     # bytes in flight for tall inputs (bf16 [32768, 768] 0.54x Inductor, now 0.92x; [8M, 8]
     # 0.94 -> 2.2x); 8 warps at 8192 elements lost on wide inputs ([4096, 50257] 0.40x).
-    if xfast and xnumel >= 2 and rnumel > 64:
-        per_sm = max(1, xnumel // _sm_count())
-        xblock = min(COLUMN_XBLOCK, _next_pow2(xnumel), max(COLUMN_MIN_XBLOCK, 1 << (per_sm.bit_length() - 1)))
+    if xfast and xsize >= 2 and (row_sym or rnumel > 64):
+        per_sm = max(1, xsize // _sm_count())
+        xblock = min(COLUMN_XBLOCK, _next_pow2(xsize), max(COLUMN_MIN_XBLOCK, 1 << (per_sm.bit_length() - 1)))
         return (looped, ((xnumel + xblock - 1) // xblock, 1, 1), tail, (xblock, COLUMN_ELEMENTS // xblock, big),
                 COLUMN_WARPS, ("XBLOCK", "RBLOCK", "BIG"))
-    if rnumel > PERSISTENT_LIMIT:
-        return looped, (xnumel, 1, 1), tail, (1, LOOPED_RBLOCK, big), 16, ("XBLOCK", "RBLOCK", "BIG")
-    rblock = _next_pow2(max(rnumel, 1))
+    if row_sym:
+        rblock = _row_block(persistent, rnumel)
+        if rnumel > rblock:
+            return _looped_plan(looped, xnumel, rnumel, big)
+    elif rnumel > PERSISTENT_LIMIT:
+        return _looped_plan(looped, xnumel, rnumel, big)
+    else:
+        rblock = _next_pow2(max(rnumel, 1))
 
     def plan(xblock: int, warps: int) -> tuple:
         return (persistent, ((xnumel + xblock - 1) // xblock, 1, 1), tail, (xblock, rblock, big), warps,
@@ -516,18 +549,18 @@ def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big:
     # longer rows want one row per program and 8-16 warps; rows of 32768 want 32 warps (32
     # elements per thread: fp32 cross entropy 0.85 -> 1.05x Inductor, bf16 softmax 1.07 ->
     # 1.40x; at 16384 32 warps lost 20% on bf16 layer norm, so 16 stay there).
-    xblock = max(1, min(_next_pow2(xnumel), 2048 // rblock, 64))
+    xblock = max(1, min(_next_pow2(xsize), 2048 // rblock, 64))
     warps = min(32 if xblock * rblock >= 32768 else 16, max(1, xblock * rblock // 512))
     if _tuning(persistent):
-        key = f"{persistent.fn.__name__}:{persistent.fn.__module__}:{rblock}:{_next_pow2(xnumel)}"
+        key = f"{persistent.fn.__name__}:{persistent.fn.__module__}:{rblock}:{_next_pow2(xsize)}"
         cands = [(x, w) for x in (1, 2, 4, 8, 16, 32, 64) for w in (1, 2, 4, 8, 16, 32)
-                 if x <= _next_pow2(xnumel) and 256 <= x * rblock <= 32768 and x * rblock // (32 * w) in range(2, 65)]
+                 if x <= _next_pow2(xsize) and 256 <= x * rblock <= 32768 and x * rblock // (32 * w) in range(2, 65)]
         xblock, warps = _autotune(persistent, key, cands or [(xblock, warps)], lambda *cand: _run(plan(*cand), args))
     return plan(xblock, warps)
 
 
 def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big: bool, *args: Any,
-                     xfast: bool = False) -> Any:
+                     xfast: bool = False, sym: tuple = ()) -> Any:
     """`xfast`: the input is contiguous across rows (column sums), so long rows are walked by the
     looped kernel with several rows per tile (XBLOCK x RBLOCK = 2048) instead of one row."""
     plans = persistent.__dict__.get("_tf_plans") or _plans(persistent)
@@ -536,7 +569,10 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
         if xnumel == 0:
             return
         plan = plans[(xnumel, rnumel, big, xfast)] = _reduction_plan(persistent, looped, xnumel, rnumel, big, xfast,
-                                                                       args)
+                                                                       args, sym)
+        if _hook is not None and plan[0] is persistent and len(sym) > 1 and sym[1]:
+            # planning a graph's launches: its rows may later be longer than this row block
+            _run(_looped_plan(looped, xnumel, rnumel, big), args)
     return _run(plan, args)
 
 
