@@ -9,6 +9,7 @@ expensive to recompute.  Ops without a lowering (matmul, convolution, random, ..
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import operator
 from typing import Any, Callable, Iterable, Sequence
@@ -328,6 +329,47 @@ def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 40
     return len(reduction_sizes) + int(len(late) < len(elementwise)) + int(bool(late)), bool(late)
 
 
+def _readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read `node`'s elements, looking through views and reindexing."""
+    readers: list[fx.Node] = []
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user not in seen:
+            seen.add(user)
+            if user.target in _REINDEX:
+                stack.extend(user.users)
+            else:
+                readers.append(user)
+    return readers
+
+
+def _aten_call_before_readers(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> bool:
+    """Do the value's readers run after an op that is not lowered (a matmul, an attention
+    backward), so that inlining it there keeps what it reads alive across that op's allocation?"""
+    readers = _readers(node)
+    if not readers:
+        return False
+    start, last = order[node], max(order[u] for u in readers)
+    if last - start > horizon:
+        return True
+    n = node.next
+    while order.get(n, last) < last:
+        if n.op == "call_function" and n.target not in LOWERINGS and n.target is not operator.getitem:
+            return True
+        n = n.next
+    return False
+
+
+def _numel(val: Any) -> int | None:
+    if isinstance(val, torch.Tensor):
+        try:
+            return int(val.numel())
+        except (TypeError, ValueError, RuntimeError):     # symbolic
+            return None
+    return None
+
+
 def _full_reads(body: Node, shape: Sequence[Node]) -> int:
     """How many distinct buffers an inlined value reads one element of per element of its own
     (indices that use every non-trivial loop variable): a broadcast bias or a per-row statistic
@@ -363,6 +405,8 @@ class GraphLowering:
         self.output_nodes: set[fx.Node] = set()
         self.device: torch.device | None = None
         self._order: dict[fx.Node, int] | None = None
+        self._producers: dict[str, list[fx.Node]] = {}      # see _buffer_producers
+        self._producers_seen: list[fx.Node] = []
         self.forced_fallbacks = set(config.fallback_ops)
         self._reductions: dict[tuple, StridedValue] = {}
         # values that some consumer needed in memory (a fallback's argument, say), by id: later
@@ -633,7 +677,44 @@ class GraphLowering:
                 k, late = _kernels_reading(node, self._node_order())
                 if late or (k - 1) * (m - 1) > 2:
                     return self.realize(value, layout=layout)
+        if self.config.fuse and not getattr(value, "window", False) and self._defers_dying_reads(node, value):
+            return self.realize(value, layout=layout)
         return value
+
+    def _defers_dying_reads(self, node: fx.Node, value: ComputedValue) -> bool:
+        """Would inlining this value into its readers keep two or more buffers of its size alive
+        across an ATen call, buffers nothing else reads after it, which storing it frees at once?
+        A gradient summed over the layers that share a tensor (T5's attention bias: a [B, H, S, S]
+        gradient from each layer's attention backward) is a chain of adds, each read by the next
+        past the next layer's ATen calls: inlined, the chain became one kernel at the end reading
+        every layer's gradient, all alive until then (12 x 96 MiB over Inductor's peak)."""
+        order = self._node_order()
+        if not _aten_call_before_readers(node, order):
+            return False
+        body = value.load([var(f"i{k}") for k in range(value.ndim)])
+        needed = {f"i{k}" for k, size in enumerate(value.shape) if not (size.op == "const" and size.arg == 1)}
+        full = {ld.arg for ld in _loads(body) if needed <= {x.arg for x in _walk(ld.args[0]) if x.op == "var"}}
+        if len(full) < 2:
+            return False
+        producers = self._buffer_producers()
+        start, dying = order[node], 0
+        for name in full:
+            nodes = producers.get(name)
+            if nodes and max((order[r] for p in nodes for r in _readers(p)), default=start) <= start:
+                dying += 1
+        return dying >= 2
+
+    def _buffer_producers(self) -> dict[str, list[fx.Node]]:
+        """Buffer name -> the fx nodes whose value is that buffer (or a strided view of it),
+        updated with the values lowered since the last call."""
+        done = len(self._producers_seen)
+        if done < len(self.env):
+            for fx_node, val in itertools.islice(self.env.items(), done, None):
+                self._producers_seen.append(fx_node)
+                for v in val if isinstance(val, (list, tuple)) else (val,):
+                    if isinstance(v, StridedValue):
+                        self._producers.setdefault(v.buffer, []).append(fx_node)
+        return self._producers
 
     def _fallback(self, node: fx.Node, reason: str) -> None:
         args, kwargs = self._args(node)
