@@ -10,6 +10,9 @@ from .counters import counters
 from .api import compile, explain, Explanation, KernelInfo, FallbackInfo
 from .lazy import lazy
 from .extend import register_pass, register_decomposition, register_lowering
+from .runtime import cache_artifacts as _cache_artifacts
+
+_cache_artifacts.register()    # before any torch.compiler.load_cache_artifacts() of this process
 
 __all__ = ["Config", "counters", "compile", "explain", "Explanation", "KernelInfo", "FallbackInfo", "lazy",
            "register_pass", "register_decomposition", "register_lowering"]

@@ -21,6 +21,9 @@ import torch, torchfuse
 from torch._dynamo.utils import counters as torch_counters
 from torchfuse.frontend import graph_cache
 options = json.loads(sys.argv[1])
+if os.environ.get("LOAD_ARTIFACTS"):               # torch's portable cache, saved by another process
+    with open(os.environ["LOAD_ARTIFACTS"], "rb") as f:
+        torch.compiler.load_cache_artifacts(f.read())
 if os.environ.get("FAKE_TORCHFUSE_SOURCE"):        # as if torchfuse's code had changed
     graph_cache.source_hash = lambda: os.environ["FAKE_TORCHFUSE_SOURCE"]
 from torchfuse.frontend import saved_program
@@ -49,7 +52,10 @@ err = max((g - p.grad).abs().max().item() for g, p in zip(grads, model.parameter
 model.eval()
 with torch.no_grad():
     err = max(err, (compiled(x) - eager(x)).abs().max().item())
-print("RESULT", json.dumps({"aot": dict(torch_counters["aot_autograd"]),
+if os.environ.get("SAVE_ARTIFACTS"):
+    with open(os.environ["SAVE_ARTIFACTS"], "wb") as f:
+        f.write(torch.compiler.save_cache_artifacts()[0])
+print("RESULT", json.dumps({"aot": dict(torch_counters["aot_autograd"]), "builds": torchfuse.counters["kernel_builds"],
                             "hits": torchfuse.counters["graph_cache_hits"],
                             "linked": torchfuse.counters["compiled_graph_loads"],
                             "lowered": torchfuse.counters.seconds.get("lowering", 0.0) > 0,
@@ -192,3 +198,21 @@ def test_dynamo_restart_signals_leave_the_graph_cache_on(monkeypatch):
     x = torch.randn(4, 5)
     torch.testing.assert_close(torch.compile(fn, backend="torchfuse")(x), fn(x))
     assert raised and graph_cache._off_reason is None
+
+
+def test_portable_cache_artifacts_carry_graphs_and_kernels(tmp_path):
+    """`torch.compiler.save_cache_artifacts()` after a compile, `load_cache_artifacts()` in a
+    process with an empty cache directory: its compile is a warm start (every graph a cache hit,
+    no kernel built), with eager's results."""
+    blob = tmp_path / "artifacts.bin"
+    first = _run(tmp_path / "a", SAVE_ARTIFACTS=str(blob))
+    assert first["hits"] == 0 and first["builds"] > 0, first
+    warm = _run(tmp_path / "b", LOAD_ARTIFACTS=str(blob))
+    assert warm["hits"] > 0 and warm["builds"] == 0 and not warm["lowered"], warm
+    assert any(p.suffix == ".so" for p in (tmp_path / "b" / "cpp").rglob("*")), "no library carried"
+    # a blob altered on the way (one byte of a carried library) fails torch's checksum and loads
+    # nothing: a cold compile, with eager's results
+    data = blob.read_bytes()
+    blob.write_bytes(data.replace(b"\x7fELF", b"\x7fELG", 1))
+    cold = _run(tmp_path / "c", LOAD_ARTIFACTS=str(blob))
+    assert cold["hits"] == 0 and cold["builds"] > 0, cold

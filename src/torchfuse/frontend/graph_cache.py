@@ -261,6 +261,25 @@ def _config_patches(key: str, CustomGraphPass: type) -> tuple:
     return made
 
 
+def _portable_entries() -> contextlib.AbstractContextManager:
+    """While AOTAutograd runs for torchfuse, the entries it records for torch's portable cache
+    (`torch.compiler.save_cache_artifacts`) are recorded as torchfuse's: loaded as AOTAutograd's
+    they would be written into Inductor's directory (runtime/cache_artifacts.py)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager
+    except ImportError:
+        return contextlib.nullcontext()
+    from ..runtime import cache_artifacts
+    record_artifact = CacheArtifactManager.record_artifact
+
+    def redirect(artifact_type: str, key: str, content: Any) -> None:
+        if artifact_type == "aot_autograd" and isinstance(content, bytes):
+            cache_artifacts.record_aot_entry(key, content)
+        else:
+            record_artifact(artifact_type, key, content)
+    return mock.patch.object(CacheArtifactManager, "record_artifact", staticmethod(redirect))
+
+
 def turn_off(reason: str) -> None:
     """No graph cache for the rest of this process (a compile failed with it, not without)."""
     global _off_reason
@@ -298,6 +317,7 @@ def enabled(config: Config, compile: Compile, wanted: bool = True, reuse_code: b
         from ..runtime.cache_dir import cache_folder
         folder = str(cache_folder(config, "graphs"))
         patches.enter_context(mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)))
+        patches.enter_context(_portable_entries())
     except (AttributeError, ImportError, RuntimeError, TypeError) as e:
         patches.close()          # undo the patches that did apply
         log.debug("torchfuse: graph cache off: %s", e)

@@ -187,6 +187,12 @@ def _try_load(so: Path, meta: Path, quiet: bool) -> ctypes.CDLL | None:
     return lib
 
 
+def _record(so: Path, meta: Path) -> None:
+    """Carry the library in torch's portable cache (cache_artifacts.py): the .so, then its sidecar."""
+    from .cache_artifacts import record_files
+    record_files("cpp", so.parent.parent, [so, meta])
+
+
 def _publish(so: Path, meta: Path, data: bytes, key: str, config: Config) -> None:
     # Drop a stale sidecar first so "sidecar present" always implies "the .so it describes".
     with suppress(FileNotFoundError):
@@ -257,6 +263,7 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
     lib = _try_load(so, meta, quiet=True)
     if lib is not None:
         counters.bump("cache_hits_disk")
+        _record(so, meta)
         return lib
     try:
         so.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -270,6 +277,7 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         lib = _try_load(so, meta, quiet=False)
         if lib is not None:
             counters.bump("cache_hits_disk")
+            _record(so, meta)
             return lib
         # We hold the lock, so any temp file of this key is a leftover of a killed writer.
         for stray in so.parent.glob(f".{key}.*.tmp"):
@@ -282,6 +290,7 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
             _warn_unusable(config, err)
             return _load_private(key, data)
         lib = _open(so)
+        _record(so, meta)
     finally:
         lock.release()
     enforce_limit(config)      # a new entry: keep the cache under its bound

@@ -23,6 +23,7 @@ from torch import dtype as _dtype
 
 from ..config import Config
 from ..counters import counters
+from .cache_artifacts import record_triton_binary
 from .cache_dir import _private_folder, atomic_write, cache_folder, enforce_limit, touch
 
 log = logging.getLogger("torchfuse")
@@ -380,6 +381,7 @@ def _launch(kernel: Any, grid: tuple, args: tuple, constexprs: tuple, warps: int
     # first call hold up to 32 MiB more than its later calls, and synchronized after each kernel
     before = _snapshot(args) if fast is None and (not _trusted or key in table) else None
     binary = kernel[grid](*args, **dict(zip(names, constexprs)), num_warps=warps)
+    record_triton_binary(binary)       # (once per binary: torch's portable cache carries it)
     if fast is None:
         table[key] = _make_fast(binary, args, constexprs, grid, before)
     return None       # (this launch went through Triton: a site binds on its next call)
