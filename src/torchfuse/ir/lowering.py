@@ -290,19 +290,8 @@ def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 40
     next residual add of a transformer block, past the block's matmuls): those run later and
     keep whatever the value reads alive across the call.  Readers more than `horizon` nodes
     away count as late without looking."""
-    readers: list[fx.Node] = []
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if user.target in _REINDEX:
-            stack.extend(user.users)
-        else:
-            readers.append(user)
     reduction_sizes, elementwise = set(), []
-    for user in readers:
+    for user in _readers(node):
         if user.target in REDUCTIONS:
             val = meta_val(user)
             val = val[0] if isinstance(val, (list, tuple)) else val
