@@ -129,7 +129,7 @@ def test_gradient_summed_over_layers_is_stored_as_it_goes():
     """A tensor every layer reads (T5's attention bias) gets one gradient per layer, each from a
     matmul in that layer's backward; autograd sums them in a chain of adds, each read by the next
     past the next layer's matmuls.  Inlined, the chain was one kernel at the end reading all 8
-    gradients, each alive until then; stored as it goes, a few are alive at once."""
+    gradients, each alive until then; stored as it goes, at most four are alive at once."""
     torch.manual_seed(0)
     layers, n = 8, 32
     h = torch.randn(2, n, n, requires_grad=True)
@@ -137,13 +137,14 @@ def test_gradient_summed_over_layers_is_stored_as_it_goes():
     ws = [(torch.randn(n, n) / 6).requires_grad_() for _ in range(layers)]
     e = torchfuse.explain(_shared_bias_chain, h, b, *ws)
     backward = next(m for m in e.memory if "backward" in m)
-    # 8 KiB per [2, 32, 32] gradient: 104 KiB at the fused sum's peak, 68 when every other
-    # partial sum is stored by the kernel that runs there (a layer's tanh backward)
+    # 8 KiB per [2, 32, 32] gradient: 104 KiB at the fused sum's peak, 72 when the partial sum
+    # is stored once more than three terms are pending, by the kernel that runs there (a
+    # layer's tanh backward); the rest of the chain sums into the last kernel as before
     peak = float(re.search(r"planned peak ([0-9.]+) KiB", backward).group(1))
-    assert peak == 68.0, e.memory
+    assert peak == 72.0, e.memory
     kernels = [k.name for k in e.kernels if "backward" in k.name]
     assert len(kernels) == layers, kernels                        # no kernel of its own
-    assert sum("add" in k for k in kernels) == 3, kernels
+    assert sum("add" in k for k in kernels) == 1, kernels
     compiled = torch.compile(_shared_bias_chain, backend="torchfuse")
     compiled(h, b, *ws).backward()
     got = [t.grad.clone() for t in (h, b, *ws)]

@@ -333,6 +333,10 @@ def _readers(node: fx.Node) -> list[fx.Node]:
     return readers
 
 
+# see GraphLowering._defers_dying_reads
+_MAX_DEFERRED_READS = 3
+
+
 def _aten_call_before_readers(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> bool:
     """Do the value's readers run after an op that is not lowered (a matmul, an attention
     backward), so that inlining it there keeps what it reads alive across that op's allocation?"""
@@ -671,12 +675,14 @@ class GraphLowering:
         return value
 
     def _defers_dying_reads(self, node: fx.Node, value: ComputedValue) -> bool:
-        """Would inlining this value into its readers keep two or more buffers of its size alive
-        across an ATen call, buffers nothing else reads after it, which storing it frees at once?
-        A gradient summed over the layers that share a tensor (T5's attention bias: a [B, H, S, S]
-        gradient from each layer's attention backward) is a chain of adds, each read by the next
-        past the next layer's ATen calls: inlined, the chain became one kernel at the end reading
-        every layer's gradient, all alive until then (12 x 96 MiB over Inductor's peak)."""
+        """Would inlining this value into its readers keep more than three buffers of its size
+        alive across an ATen call, buffers nothing else reads after it, which storing it frees
+        at once?  A gradient summed over the layers that share a tensor is a chain of adds, each
+        read by the next past the next layer's ATen calls: inlined, the whole chain became one
+        kernel at the end reading every layer's term, all alive until then, however deep the
+        model.  Stored every few layers, at most four are.  A sum of three (a layer's q, k and v
+        input gradients, read by its layer norm's backward past one more matmul) stays inlined:
+        storing it saves one buffer and costs a kernel in every layer."""
         order = self._node_order()
         if not _aten_call_before_readers(node, order):
             return False
@@ -691,7 +697,7 @@ class GraphLowering:
             nodes = producers.get(name)
             if nodes and max((order[r] for p in nodes for r in _readers(p)), default=start) <= start:
                 dying += 1
-        return dying >= 2
+        return dying > _MAX_DEFERRED_READS
 
     def _buffer_producers(self) -> dict[str, list[fx.Node]]:
         """Buffer name -> the fx nodes whose value is that buffer (or a strided view of it),
