@@ -1,7 +1,8 @@
-"""When the lowering stores a value instead of recomputing it in each reader (ir/lowering.py,
-`_maybe_realize_one`): a residual sum read by a layer norm's statistics, its normalization and,
-past the next matmuls, the next residual add is stored once, by the statistics kernel; a value
-read by one loop's kernels only (silu's x * sigmoid(x)) is not."""
+"""When the lowering stores a value instead of recomputing it in each reader (ir/realize.py): a
+residual sum read by a layer norm's statistics, its normalization and, past the next matmuls,
+the next residual add is stored once, by the statistics kernel; a value read by one loop's
+kernels only (silu's x * sigmoid(x)) is not; a gradient summed over many layers is stored as it
+goes."""
 from __future__ import annotations
 
 import re

@@ -9,7 +9,6 @@ expensive to recompute.  Ops without a lowering (matmul, convolution, random, ..
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
 from typing import Any, Callable, Iterable, Sequence
@@ -20,8 +19,7 @@ import torch.fx as fx
 from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
-from .nodes import INDEX, Node, const, cost, floordiv, mod, op, sym, var
-from .nodes import loads as _loads, walk as _walk
+from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var
 
 log = logging.getLogger("torchfuse.lowering")
 
@@ -257,15 +255,6 @@ REDUCTIONS = frozenset({
     torch.ops.aten.argmin.default, torch.ops.aten.var.correction, torch.ops.aten.var_mean.correction,
     torch.ops.aten.std.correction, torch.ops.prims.sum.default, torch.ops.prims.var.default,
     torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
-# Ops that only re-index their input: their readers read the value.
-_REINDEX = frozenset({
-    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
-    torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
-    torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.default, torch.ops.aten.alias.default,
-    torch.ops.prims.broadcast_in_dim.default})
-
-
 def _channels_last_conv(node: fx.Node) -> bool:
     """A convolution whose output (and so whose input, for cuDNN and oneDNN) is channels-last."""
     if node.target not in _CONVOLUTIONS:
@@ -274,108 +263,6 @@ def _channels_last_conv(node: fx.Node) -> bool:
     out = out[0] if isinstance(out, (list, tuple)) else out
     return isinstance(out, torch.Tensor) and out.ndim == 4 and not out.is_contiguous() \
         and out.is_contiguous(memory_format=torch.channels_last)
-
-
-def _item_readers(node: fx.Node, i: int) -> list[fx.Node]:
-    """The nodes reading item `i` of a node with several outputs (through its getitem)."""
-    return [u for g in node.users if g.target is operator.getitem and g.args[1] == i for u in g.users]
-
-
-def _kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> tuple[int, bool]:
-    """(k, late): how many kernels will read this value, at least, and whether one of them runs
-    after an op that is not lowered (a matmul, a convolution) and itself reads the value.
-
-    Reductions of one output size share a loop (a batch norm's two sums); elementwise readers
-    may fuse into one kernel, except those downstream of an ATen call fed by the value (the
-    next residual add of a transformer block, past the block's matmuls): those run later and
-    keep whatever the value reads alive across the call.  Readers more than `horizon` nodes
-    away count as late without looking."""
-    reduction_sizes, elementwise = set(), []
-    for user in _readers(node):
-        if user.target in REDUCTIONS:
-            val = meta_val(user)
-            val = val[0] if isinstance(val, (list, tuple)) else val
-            reduction_sizes.add(str(val.numel()) if isinstance(val, torch.Tensor) else None)   # (SymInts do not hash)
-        else:
-            elementwise.append(user)
-    if not elementwise:
-        return len(reduction_sizes), False
-    start, last = order[node], max(order[u] for u in elementwise)
-    if last - start > horizon:
-        return len(reduction_sizes) + 2, True
-    # forward from the value: which nodes depend on it through an ATen call
-    depends, across = {node}, set()
-    n = node.next
-    while order.get(n, last + 1) <= last:
-        ins = [a for a in n.all_input_nodes if a in depends]
-        if ins:
-            depends.add(n)
-            if any(a in across or (a is not node and a.op == "call_function" and a.target not in LOWERINGS
-                                   and a.target is not operator.getitem) for a in ins):
-                across.add(n)
-        n = n.next
-    late = [u for u in elementwise if u in across]
-    return len(reduction_sizes) + int(len(late) < len(elementwise)) + int(bool(late)), bool(late)
-
-
-def _readers(node: fx.Node) -> list[fx.Node]:
-    """The nodes that read `node`'s elements, looking through views and reindexing."""
-    readers: list[fx.Node] = []
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user not in seen:
-            seen.add(user)
-            if user.target in _REINDEX:
-                stack.extend(user.users)
-            else:
-                readers.append(user)
-    return readers
-
-
-# see GraphLowering._defers_dying_reads
-_MAX_DEFERRED_READS = 3
-
-
-def _aten_call_before_readers(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> bool:
-    """Do the value's readers run after an op that is not lowered (a matmul, an attention
-    backward), so that inlining it there keeps what it reads alive across that op's allocation?"""
-    readers = _readers(node)
-    if not readers:
-        return False
-    start, last = order[node], max(order[u] for u in readers)
-    if last - start > horizon:
-        return True
-    n = node.next
-    while order.get(n, last) < last:
-        if n.op == "call_function" and n.target not in LOWERINGS and n.target is not operator.getitem:
-            return True
-        n = n.next
-    return False
-
-
-def _numel(val: Any) -> int | None:
-    if isinstance(val, torch.Tensor):
-        try:
-            return int(val.numel())
-        except (TypeError, ValueError, RuntimeError):     # symbolic
-            return None
-    return None
-
-
-def _full_reads(body: Node, shape: Sequence[Node]) -> int:
-    """How many distinct buffers an inlined value reads one element of per element of its own
-    (indices that use every non-trivial loop variable): a broadcast bias or a per-row statistic
-    does not count.  Inlining a value that reads two such buffers into two kernels reads both
-    in each, and keeps both alive until the last one ran, where storing it reads one buffer
-    and frees both early (a residual sum `x + f(x)` read by a LayerNorm's statistics, its
-    normalization and the next residual)."""
-    needed = {f"i{k}" for k, size in enumerate(shape) if not (size.op == "const" and size.arg == 1)}
-    full = set()
-    for ld in _loads(body):
-        if ld.arg not in full and needed <= {x.arg for x in _walk(ld.args[0]) if x.op == "var"}:
-            full.add(ld.arg)
-    return len(full)
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,8 +285,7 @@ class GraphLowering:
         self.output_nodes: set[fx.Node] = set()
         self.device: torch.device | None = None
         self._order: dict[fx.Node, int] | None = None
-        self._producers: dict[str, list[fx.Node]] = {}      # see _buffer_producers
-        self._producers_seen: list[fx.Node] = []
+        self.producers: Any = None        # realize.ProducerIndex, made on first use
         self.forced_fallbacks = set(config.fallback_ops)
         self._reductions: dict[tuple, StridedValue] = {}
         # values that some consumer needed in memory (a fallback's argument, say), by id: later
@@ -638,7 +524,8 @@ class GraphLowering:
 
     def _maybe_realize(self, node: fx.Node, result: Any) -> Any:
         if isinstance(result, (list, tuple)):
-            return type(result)(self._maybe_realize_one(node, r, _item_readers(node, i)) for i, r in enumerate(result))
+            from .realize import item_readers
+            return type(result)(self._maybe_realize_one(node, r, item_readers(node, i)) for i, r in enumerate(result))
         return self._maybe_realize_one(node, result, list(node.users))
 
     def _maybe_realize_one(self, node: fx.Node, value: Any, readers: list[fx.Node]) -> Any:
@@ -653,63 +540,10 @@ class GraphLowering:
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
-        users = len(node.users)
-        if users > 1 or not self.config.fuse:
-            # a window (pooling) reads several input elements per output: each consumer that
-            # recomputed it would read the input that many times over
-            if getattr(value, "window", False) or not self.config.fuse:
-                return self.realize(value, layout=layout)
-            body = value.load([var(f"i{k}") for k in range(value.ndim)])
-            if cost(body) > self.config.inline_max_cost:
-                return self.realize(value, layout=layout)
-            # store it when that reads fewer bytes than recomputing it in every reader (each
-            # reads its m inputs, where storing reads them once, writes it once and reads it
-            # k times), or when readers past an ATen call would keep its inputs alive
-            m = _full_reads(body, value.shape)
-            if m >= 2:
-                k, late = _kernels_reading(node, self._node_order())
-                if late or (k - 1) * (m - 1) > 2:
-                    return self.realize(value, layout=layout)
-        if self.config.fuse and not getattr(value, "window", False) and self._defers_dying_reads(node, value):
+        from .realize import should_store
+        if should_store(self, node, value):
             return self.realize(value, layout=layout)
         return value
-
-    def _defers_dying_reads(self, node: fx.Node, value: ComputedValue) -> bool:
-        """Would inlining this value into its readers keep more than three buffers of its size
-        alive across an ATen call, buffers nothing else reads after it, which storing it frees
-        at once?  A gradient summed over the layers that share a tensor is a chain of adds, each
-        read by the next past the next layer's ATen calls: inlined, the whole chain became one
-        kernel at the end reading every layer's term, all alive until then, however deep the
-        model.  Stored every few layers, at most four are.  A sum of three (a layer's q, k and v
-        input gradients, read by its layer norm's backward past one more matmul) stays inlined:
-        storing it saves one buffer and costs a kernel in every layer."""
-        order = self._node_order()
-        if not _aten_call_before_readers(node, order):
-            return False
-        body = value.load([var(f"i{k}") for k in range(value.ndim)])
-        needed = {f"i{k}" for k, size in enumerate(value.shape) if not (size.op == "const" and size.arg == 1)}
-        full = {ld.arg for ld in _loads(body) if needed <= {x.arg for x in _walk(ld.args[0]) if x.op == "var"}}
-        if len(full) < 2:
-            return False
-        producers = self._buffer_producers()
-        start, dying = order[node], 0
-        for name in full:
-            nodes = producers.get(name)
-            if nodes and max((order[r] for p in nodes for r in _readers(p)), default=start) <= start:
-                dying += 1
-        return dying > _MAX_DEFERRED_READS
-
-    def _buffer_producers(self) -> dict[str, list[fx.Node]]:
-        """Buffer name -> the fx nodes whose value is that buffer (or a strided view of it),
-        updated with the values lowered since the last call."""
-        done = len(self._producers_seen)
-        if done < len(self.env):
-            for fx_node, val in itertools.islice(self.env.items(), done, None):
-                self._producers_seen.append(fx_node)
-                for v in val if isinstance(val, (list, tuple)) else (val,):
-                    if isinstance(v, StridedValue):
-                        self._producers.setdefault(v.buffer, []).append(fx_node)
-        return self._producers
 
     def _fallback(self, node: fx.Node, reason: str) -> None:
         args, kwargs = self._args(node)

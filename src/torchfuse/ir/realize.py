@@ -1,0 +1,188 @@
+"""When the lowering stores a value instead of inlining it into its readers.
+
+A lowered pointwise value is an expression (`ComputedValue`) that each reader recomputes, fused
+into its own kernel.  It is stored in a buffer (realized) instead when:
+- several kernels would read it and recomputing it in each reads more bytes than storing it
+  once (`kernels_reading`, `full_read_buffers`), or a reader runs past an ATen call that the
+  value itself feeds (the next residual add of a transformer block) and would keep its inputs
+  alive across that call;
+- it is a window of its input (pooling: each reader would read the input that many times);
+- inlining it would keep more than MAX_DEFERRED_READS buffers of its size alive across an ATen
+  call, buffers nothing else reads later (`defers_dying_reads`: a gradient summed over layers).
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from .buffers import ComputedValue, StridedValue
+from .lowering import LOWERINGS, REDUCTIONS, meta_val
+from .nodes import Node, cost, var
+from .nodes import loads as _loads, walk as _walk
+
+
+def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
+    """Does the lowering store `node`'s value (module docstring)?"""
+    config = lowering.config
+    window = getattr(value, "window", False)
+    if not config.fuse:
+        return True
+    body = value.load([var(f"i{k}") for k in range(value.ndim)])
+    if len(node.users) > 1:
+        if window or cost(body) > config.inline_max_cost:
+            return True
+        # store it when that reads fewer bytes than recomputing it in every reader (each
+        # reads its m inputs, where storing reads them once, writes it once and reads it
+        # k times), or when readers past an ATen call would keep its inputs alive
+        m = len(full_read_buffers(body, value.shape))
+        if m >= 2:
+            k, late = kernels_reading(node, lowering._node_order())
+            if late or (k - 1) * (m - 1) > 2:
+                return True
+    return not window and defers_dying_reads(lowering, node, value, body)
+
+
+def defers_dying_reads(lowering: Any, node: fx.Node, value: ComputedValue, body: Node) -> bool:
+    """Would inlining this value into its readers keep more than MAX_DEFERRED_READS buffers of its
+    size alive across an ATen call, buffers nothing else reads after it, which storing it frees
+    at once?  A gradient summed over the layers that share a tensor (T5's attention bias) is a
+    chain of adds, each read by the next past the next layer's ATen calls: inlined, the whole
+    chain became one kernel at the end reading every layer's term, all alive until then, however
+    deep the model.  Stored every few layers, at most four are.  A sum of three (a layer's q, k
+    and v input gradients, read by its layer norm's backward past one more matmul) stays
+    inlined: storing it saves one buffer and costs a kernel in every layer."""
+    order = lowering._node_order()
+    if not aten_call_before_readers(node, order):
+        return False
+    full = full_read_buffers(body, value.shape)
+    if len(full) <= MAX_DEFERRED_READS:
+        return False
+    if lowering.producers is None:
+        lowering.producers = ProducerIndex()
+    producers = lowering.producers.update(lowering.env)
+    start, dying = order[node], 0
+    for name in full:
+        nodes = producers.get(name)
+        if nodes and max((order[r] for p in nodes for r in readers(p)), default=start) <= start:
+            dying += 1
+    return dying > MAX_DEFERRED_READS
+
+
+class ProducerIndex:
+    """Buffer name -> the fx nodes whose lowered value is that buffer (or a strided view of it),
+    updated with the values lowered since the last call (the lowering's env only grows)."""
+
+    def __init__(self) -> None:
+        self.producers: dict[str, list[fx.Node]] = {}
+        self.seen = 0
+
+    def update(self, env: dict[fx.Node, Any]) -> dict[str, list[fx.Node]]:
+        if self.seen < len(env):
+            for fx_node, val in itertools.islice(env.items(), self.seen, None):
+                for v in val if isinstance(val, (list, tuple)) else (val,):
+                    if isinstance(v, StridedValue):
+                        self.producers.setdefault(v.buffer, []).append(fx_node)
+            self.seen = len(env)
+        return self.producers
+
+
+# Ops that only re-index their input: their readers read the value.
+REINDEX = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
+    torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims, torch.ops.aten.squeeze.default, torch.ops.aten.alias.default,
+    torch.ops.prims.broadcast_in_dim.default})
+
+
+def item_readers(node: fx.Node, i: int) -> list[fx.Node]:
+    """The nodes reading item `i` of a node with several outputs (through its getitem)."""
+    return [u for g in node.users if g.target is operator.getitem and g.args[1] == i for u in g.users]
+
+
+def kernels_reading(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> tuple[int, bool]:
+    """(k, late): how many kernels will read this value, at least, and whether one of them runs
+    after an op that is not lowered (a matmul, a convolution) and itself reads the value.
+
+    Reductions of one output size share a loop (a batch norm's two sums); elementwise readers
+    may fuse into one kernel, except those downstream of an ATen call fed by the value (the
+    next residual add of a transformer block, past the block's matmuls): those run later and
+    keep whatever the value reads alive across the call.  Readers more than `horizon` nodes
+    away count as late without looking."""
+    reduction_sizes, elementwise = set(), []
+    for user in readers(node):
+        if user.target in REDUCTIONS:
+            val = meta_val(user)
+            val = val[0] if isinstance(val, (list, tuple)) else val
+            reduction_sizes.add(str(val.numel()) if isinstance(val, torch.Tensor) else None)   # (SymInts do not hash)
+        else:
+            elementwise.append(user)
+    if not elementwise:
+        return len(reduction_sizes), False
+    start, last = order[node], max(order[u] for u in elementwise)
+    if last - start > horizon:
+        return len(reduction_sizes) + 2, True
+    # forward from the value: which nodes depend on it through an ATen call
+    depends, across = {node}, set()
+    n = node.next
+    while order.get(n, last + 1) <= last:
+        ins = [a for a in n.all_input_nodes if a in depends]
+        if ins:
+            depends.add(n)
+            if any(a in across or (a is not node and a.op == "call_function" and a.target not in LOWERINGS
+                                   and a.target is not operator.getitem) for a in ins):
+                across.add(n)
+        n = n.next
+    late = [u for u in elementwise if u in across]
+    return len(reduction_sizes) + int(len(late) < len(elementwise)) + int(bool(late)), bool(late)
+
+
+def readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read `node`'s elements, looking through views and reindexing."""
+    found: list[fx.Node] = []
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user not in seen:
+            seen.add(user)
+            if user.target in REINDEX:
+                stack.extend(user.users)
+            else:
+                found.append(user)
+    return found
+
+
+# see defers_dying_reads
+MAX_DEFERRED_READS = 3
+
+
+def aten_call_before_readers(node: fx.Node, order: dict[fx.Node, int], horizon: int = 400) -> bool:
+    """Do the value's readers run after an op that is not lowered (a matmul, an attention
+    backward), so that inlining it there keeps what it reads alive across that op's allocation?"""
+    users = readers(node)
+    if not users:
+        return False
+    start, last = order[node], max(order[u] for u in users)
+    if last - start > horizon:
+        return True
+    n = node.next
+    while order.get(n, last) < last:
+        if n.op == "call_function" and n.target not in LOWERINGS and n.target is not operator.getitem:
+            return True
+        n = n.next
+    return False
+
+
+def full_read_buffers(body: Node, shape: Sequence[Node]) -> set[str]:
+    """The buffers an inlined value reads one element of per element of its own (indices that
+    use every non-trivial loop variable): a broadcast bias or a per-row statistic does not count.
+    Inlining a value that reads two such buffers into two kernels reads both in each, and keeps
+    both alive until the last one ran, where storing it reads one buffer and frees both early (a
+    residual sum `x + f(x)` read by a LayerNorm's statistics, its normalization and the next
+    residual)."""
+    needed = {f"i{k}" for k, size in enumerate(shape) if not (size.op == "const" and size.arg == 1)}
+    return {ld.arg for ld in _loads(body) if needed <= {x.arg for x in _walk(ld.args[0]) if x.op == "var"}}
