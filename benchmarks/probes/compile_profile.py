@@ -20,6 +20,7 @@ import os
 import pstats
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +31,7 @@ if _warm:   # a warm start: every cache in the given folder (made by an earlier 
 import torch  # noqa: E402
 
 import torchfuse  # noqa: E402
-from zoo_models import BY_NAME  # noqa: E402
+from zoo_models import BY_NAME, SIZES  # noqa: E402
 
 
 def _count_triton_compiles() -> list[int]:
@@ -49,13 +50,27 @@ def _count_triton_compiles() -> list[int]:
     return calls
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def row_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments naming one zoo row (model, device, dtype, mode, size), for the probes."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", required=True, help="one zoo model")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--mode", choices=("infer", "train"), default="infer")
-    ap.add_argument("--size", choices=("cpu", "gpu"), help='model size (default: "gpu" on cuda, "cpu" on cpu)')
+    ap.add_argument("--size", choices=SIZES, help='model size (default: "gpu" on cuda, "cpu" on cpu)')
+    return ap
+
+
+def zoo_row(args: argparse.Namespace) -> tuple[Any, torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """(zoo model, model, example inputs) for the row `row_parser`'s arguments name."""
+    zm = BY_NAME[args.only]
+    model, inputs = zm.make(args.size or ("gpu" if args.device == "cuda" else "cpu"), args.device,
+                            torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    return zm, model, inputs
+
+
+def main() -> None:
+    ap = row_parser(__doc__)
     ap.add_argument("--save", help="also write the profile here (pstats format)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--caches", help="keep the compile caches in this folder (a second run is a warm start)")
@@ -69,9 +84,7 @@ def main() -> None:
     torchfuse.counters.seconds.clear()
     before = dict(torchfuse.counters)
     in_process = _count_triton_compiles()
-    zm = BY_NAME[args.only]
-    model, inputs = zm.make(args.size or ("gpu" if device == "cuda" else "cpu"), device,
-                            torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    zm, model, inputs = zoo_row(args)
     if args.mode == "train":
         model.train()
         call = zoo.TrainStep(model, zoo.compile_with("torchfuse", model), zm.loss, inputs)

@@ -14,7 +14,6 @@ batch are rows of the model's example inputs, drawn at random (same rows for eve
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -25,8 +24,7 @@ import zoo  # noqa: E402  (first: it points every compile cache at fresh folders
 import torch  # noqa: E402
 
 import torchfuse  # noqa: E402
-from compile_profile import _count_triton_compiles  # noqa: E402
-from zoo_models import BY_NAME  # noqa: E402
+from compile_profile import _count_triton_compiles, row_parser, zoo_row  # noqa: E402
 
 COUNTS = ("graphs_compiled", "kernels_generated")
 
@@ -57,19 +55,12 @@ def _ms(fn, device: str, calls: int = 5) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", required=True, help="one zoo model")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--mode", choices=("infer", "train"), default="infer")
-    ap.add_argument("--size", choices=("tiny", "cpu", "gpu"), help='model size (default: "gpu" on cuda, "cpu" on cpu)')
+    ap = row_parser(__doc__)
     ap.add_argument("--batches", default="4,16,3,32,5", help="batch sizes to call after the first")
     ap.add_argument("--dynamic", action="store_true", help="compile with dynamic=True")
     args = ap.parse_args()
     device = args.device
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    zm = BY_NAME[args.only]
-    model, inputs = zm.make(args.size or ("gpu" if device == "cuda" else "cpu"), device, dtype)
+    zm, model, inputs = zoo_row(args)
     in_process = _count_triton_compiles()
     compiled = torch.compile(model, backend="torchfuse", dynamic=True if args.dynamic else None)
     if args.mode == "train":

@@ -31,9 +31,12 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
     window = getattr(value, "window", False)
     if not config.fuse:
         return True
-    body = value.load([var(f"i{k}") for k in range(value.ndim)])
+    body = None
     if len(node.users) > 1:
-        if window or cost(body) > config.inline_max_cost:
+        if window:
+            return True
+        body = _body(value)
+        if cost(body) > config.inline_max_cost:
             return True
         # store it when that reads fewer bytes than recomputing it in every reader (each
         # reads its m inputs, where storing reads them once, writes it once and reads it
@@ -46,7 +49,12 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
     return not window and defers_dying_reads(lowering, node, value, body)
 
 
-def defers_dying_reads(lowering: Any, node: fx.Node, value: ComputedValue, body: Node) -> bool:
+def _body(value: ComputedValue) -> Node:
+    """The value's element expression at symbolic indices i0, i1, ..."""
+    return value.load([var(f"i{k}") for k in range(value.ndim)])
+
+
+def defers_dying_reads(lowering: Any, node: fx.Node, value: ComputedValue, body: Node | None = None) -> bool:
     """Would inlining this value into its readers keep more than MAX_DEFERRED_READS buffers of its
     size alive across an ATen call, buffers nothing else reads after it, which storing it frees
     at once?  A gradient summed over the layers that share a tensor (T5's attention bias) is a
@@ -54,11 +62,12 @@ def defers_dying_reads(lowering: Any, node: fx.Node, value: ComputedValue, body:
     chain became one kernel at the end reading every layer's term, all alive until then, however
     deep the model.  Stored every few layers, at most four are.  A sum of three (a layer's q, k
     and v input gradients, read by its layer norm's backward past one more matmul) stays
-    inlined: storing it saves one buffer and costs a kernel in every layer."""
+    inlined: storing it saves one buffer and costs a kernel in every layer.  `body`: the value's
+    expression, if the caller built it."""
     order = lowering._node_order()
-    if not aten_call_before_readers(node, order):
+    if not aten_call_before_readers(node, order):     # (cheap first: most readers are next)
         return False
-    full = full_read_buffers(body, value.shape)
+    full = full_read_buffers(body if body is not None else _body(value), value.shape)
     if len(full) <= MAX_DEFERRED_READS:
         return False
     if lowering.producers is None:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch.fx
 
+from ..config import Config
+
 # Imported under private names so that `torchfuse.passes.cse` etc. stay the submodules.
 from .channels_last import channels_last_convs as _channels_last_convs
 from .constant_fold import constant_fold as _constant_fold
@@ -51,9 +53,8 @@ REGISTRY: dict[str, Pass] = {
     "strided_1x1_grads": _strided_1x1_grads,
 }
 
-DEFAULT_PIPELINE: tuple[str, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold",
-                                     "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "strided_1x1_grads",
-                                     "dce")
+# the pipeline a default Config runs (one list: Config.passes)
+DEFAULT_PIPELINE: tuple[str, ...] = Config.passes
 
 
 def run_passes(gm: torch.fx.GraphModule, names: Sequence[Any], ctx: PassContext) -> list[PassRecord]:

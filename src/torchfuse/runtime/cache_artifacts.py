@@ -70,22 +70,15 @@ def register() -> bool:
 
 
 def record(kind: str, path: str, content: bytes) -> None:
-    """Add one entry to what `torch.compiler.save_cache_artifacts()` returns."""
+    """Add one entry to what `torch.compiler.save_cache_artifacts()` returns (the type is
+    registered when torchfuse is imported)."""
     manager = _manager()
-    if manager is None or not register():
+    if manager is None:
         return
     try:
         manager.record_artifact(TYPE, f"{kind}/{path}", content)
     except Exception as e:      # torch internals: never let the portable cache fail a compile
         log.debug("torchfuse: cache artifact %s/%s not recorded: %s", kind, path, e)
-
-
-def record_files(kind: str, root: Path, files: list[Path]) -> None:
-    for file in files:
-        try:
-            record(kind, file.relative_to(root).as_posix(), file.read_bytes())
-        except (OSError, ValueError) as e:
-            log.debug("torchfuse: cache artifact %s not recorded: %s", file, e)
 
 
 def record_aot_entry(key: str, content: bytes) -> None:

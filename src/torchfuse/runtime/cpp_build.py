@@ -168,7 +168,8 @@ def _try_load(so: Path, meta: Path, quiet: bool) -> ctypes.CDLL | None:
             _invalid(so, "missing metadata sidecar", quiet)
         return None
     try:
-        info = json.loads(meta.read_text())
+        sidecar = meta.read_bytes()
+        info = json.loads(sidecar)
         data = so.read_bytes()
         ok = (isinstance(info, dict) and info.get("size") == len(data)
               and info.get("sha256") == hashlib.sha256(data).hexdigest())
@@ -184,13 +185,17 @@ def _try_load(so: Path, meta: Path, quiet: bool) -> ctypes.CDLL | None:
         _invalid(so, f"dlopen failed: {err}", quiet)
         return None
     touch(meta)          # (least recently used entries are the first evicted)
+    _record(so, data, meta, sidecar)
     return lib
 
 
-def _record(so: Path, meta: Path) -> None:
-    """Carry the library in torch's portable cache (cache_artifacts.py): the .so, then its sidecar."""
-    from .cache_artifacts import record_files
-    record_files("cpp", so.parent.parent, [so, meta])
+def _record(so: Path, data: bytes, meta: Path, sidecar: bytes) -> None:
+    """Carry the library in torch's portable cache (cache_artifacts.py): the .so, then its
+    sidecar, from the bytes already read or written."""
+    from .cache_artifacts import record
+    folder = so.parent.name
+    record("cpp", f"{folder}/{so.name}", data)
+    record("cpp", f"{folder}/{meta.name}", sidecar)
 
 
 def _publish(so: Path, meta: Path, data: bytes, key: str, config: Config) -> None:
@@ -200,7 +205,9 @@ def _publish(so: Path, meta: Path, data: bytes, key: str, config: Config) -> Non
     atomic_write(so, data)
     info = {"format": CACHE_FORMAT_VERSION, "key": key, "sha256": hashlib.sha256(data).hexdigest(),
             "size": len(data), "compiler": _compiler_id(config.cxx), "flags": _flags(config)}
-    atomic_write(meta, json.dumps(info, indent=1).encode())
+    sidecar = json.dumps(info, indent=1).encode()
+    atomic_write(meta, sidecar)
+    _record(so, data, meta, sidecar)
 
 
 def _warn_unusable(config: Config, err: BaseException) -> None:
@@ -263,7 +270,6 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
     lib = _try_load(so, meta, quiet=True)
     if lib is not None:
         counters.bump("cache_hits_disk")
-        _record(so, meta)
         return lib
     try:
         so.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -277,7 +283,6 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         lib = _try_load(so, meta, quiet=False)
         if lib is not None:
             counters.bump("cache_hits_disk")
-            _record(so, meta)
             return lib
         # We hold the lock, so any temp file of this key is a leftover of a killed writer.
         for stray in so.parent.glob(f".{key}.*.tmp"):
@@ -290,7 +295,6 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
             _warn_unusable(config, err)
             return _load_private(key, data)
         lib = _open(so)
-        _record(so, meta)
     finally:
         lock.release()
     enforce_limit(config)      # a new entry: keep the cache under its bound
