@@ -26,6 +26,8 @@ class Counters(collections.Counter):
                         AOTAutograd (frontend/channels_last_training.py)
       constant_masks_dropped  SDPA attention masks computed from constants that mask nothing,
                         dropped before AOTAutograd (frontend/constant_masks.py)
+      causal_masks_replaced  SDPA causal masks computed from constants, replaced by
+                        is_causal=True before AOTAutograd (frontend/constant_masks.py)
       upsample_aten_backward  upsamples (nearest, linear modes) of training graphs differentiated by
                         ATen's upsample backward (frontend/upsample_training.py)
       graph_cache_hits  graphs loaded from the graph cache or a saved program (AOTAutograd skipped)

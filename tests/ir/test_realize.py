@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -154,3 +155,50 @@ def test_gradient_summed_over_layers_is_stored_as_it_goes():
     _shared_bias_chain(h, b, *ws).backward()
     for g, t in zip(got, (h, b, *ws)):
         torch.testing.assert_close(g, t.grad, rtol=1e-4, atol=1e-4)
+
+
+# -- values read by one expression; values computed from channels-last inputs ---------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("align_corners", [True, False])
+def test_bilinear_upsample_is_one_kernel(tf, dtype, align_corners):
+    """The decomposition's row interpolation `top` is read twice by the column interpolation,
+    `top + (bottom - top) * w`: one expression, computed once in one kernel.  It was stored (its
+    expression costs more than inline_max_cost), NCHW as its node says, from a channels-last
+    input: a second kernel and a transposed write (4x Inductor's time on a U-Net's decoder)."""
+    x = tf.rand((2, 6, 5, 7), dtype).to(memory_format=torch.channels_last)
+
+    def fn(x):
+        return F.interpolate(torch.relu(x), scale_factor=2, mode="bilinear", align_corners=align_corners) * 1.5
+
+    tf.check(fn, x, kernels=1, check_stride=True)
+
+
+_seen_strides: list[tuple[int, ...]] = []
+
+
+@torch.library.custom_op("torchfuse_test::record_strides", mutates_args=())
+def _record_strides(x: torch.Tensor) -> torch.Tensor:
+    _seen_strides.append(x.stride())
+    return x.sum(1)
+
+
+@_record_strides.register_fake
+def _(x):
+    return x.sum(1)
+
+
+def test_value_from_channels_last_inputs_is_stored_channels_last(tf):
+    """A gather of a channels-last tensor is NCHW by its node (index ops return contiguous
+    tensors); stored for two readers, it is written channels-last, as its input is laid out."""
+    x = tf.rand((2, 8, 5, 6)).to(memory_format=torch.channels_last)
+    hi, wi = torch.tensor([0, 0, 1, 2, 3, 4, 4, 2]), torch.tensor([5, 4, 3, 2, 1, 0, 0])
+
+    def fn(x):
+        g = x[:, :, hi][:, :, :, wi]
+        y = torch.tanh(g) * torch.sigmoid(g) + torch.exp(g)
+        return torch.ops.torchfuse_test.record_strides(y), y.amax(1), y * 3
+
+    _seen_strides.clear()
+    tf.check(fn, x, allow_fallbacks=["torchfuse_test.record_strides.default"], check_stride=True)
+    assert _seen_strides[-1] == (448, 1, 56, 8), _seen_strides

@@ -25,6 +25,7 @@ DECOMPOSE = [
     aten.gelu, aten.gelu_backward, aten.silu, aten.silu_backward, aten.mish, aten.mish_backward,
     aten.leaky_relu, aten.leaky_relu_backward, aten.elu, aten.elu_backward, aten.hardsigmoid,
     aten.hardsigmoid_backward, aten.hardswish, aten.hardswish_backward, aten.hardtanh_backward,
+    aten.threshold_backward,   # (relu's: the partitioner may then save its bool mask, not an fp32 input)
     aten.softplus, aten.softplus_backward, aten.threshold, aten.glu, aten.glu_backward, aten.logit,
     aten.celu, aten.selu, aten.relu6, aten.prelu, aten._prelu_kernel, aten._prelu_kernel_backward,
     aten.log_sigmoid_forward, aten.softshrink, aten.hardshrink,

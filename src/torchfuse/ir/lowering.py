@@ -540,8 +540,12 @@ class GraphLowering:
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
-        from .realize import should_store
+        from .realize import channels_last_inputs, should_store
         if should_store(self, node, value):
+            if layout is None and value.ndim == 4 and all(u.op != "output" for u in node.users) \
+                    and channels_last_inputs(self, value):
+                n, c, h, w = value.shape
+                layout = Layout(value.shape, (h * w * c, const(1), w * c, c))
             return self.realize(value, layout=layout)
         return value
 

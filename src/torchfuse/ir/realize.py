@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from .buffers import ComputedValue, StridedValue
 from .lowering import LOWERINGS, REDUCTIONS, meta_val
-from .nodes import Node, cost, var
+from .nodes import Node, const, cost, var
 from .nodes import loads as _loads, walk as _walk
 
 
@@ -32,7 +32,7 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
     if not config.fuse:
         return True
     body = None
-    if len(node.users) > 1:
+    if len(node.users) > 1 and not (not window and readers_converge(node)):
         if window:
             return True
         body = _body(value)
@@ -47,6 +47,49 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
             if late or (k - 1) * (m - 1) > 2:
                 return True
     return not window and defers_dying_reads(lowering, node, value, body)
+
+
+def readers_converge(node: fx.Node, depth: int = 6) -> bool:
+    """Do all of the value's readers feed one elementwise expression within `depth` steps of
+    single-reader elementwise ops?  A bilinear upsample's row interpolation `top` is read by
+    `bottom - top` and by `top + (...) * w`, one expression: inlined, the kernel computes it
+    once (the emitters share common subexpressions), where storing it writes and reads the
+    whole upsampled tensor once more, however costly its expression."""
+    users = readers(node)
+    if len(users) < 2:
+        return False
+    common: set[fx.Node] | None = None
+    for user in users:
+        chain, n = set(), user
+        for _ in range(depth):
+            if n.target not in LOWERINGS or n.target in REDUCTIONS:
+                break
+            chain.add(n)
+            nxt = readers(n)
+            if len(nxt) != 1:
+                break
+            n = nxt[0]
+        common = chain if common is None else common & chain
+        if not common:
+            return False
+    return True
+
+
+def channels_last_inputs(lowering: Any, value: ComputedValue) -> bool:
+    """Is a 4-d intermediate value computed from channels-last 4-d buffers only?  Then it is
+    stored channels-last, whatever layout its node has: that layout comes from a decomposition
+    (an upsample's gathers return NCHW tensors, and only the decomposition's final clone is
+    channels-last again), and storing it so makes its kernel a transpose, uncoalesced on one
+    side, for readers that read it back in channels-last order."""
+    found = False
+    for name in full_read_buffers(_body(value), value.shape):
+        sizes, strides = lowering.buffer_meta.get(name, ((), ()))[:2]
+        if len(sizes) != 4:
+            continue
+        if not (strides[1] == const(1) and strides[3] == sizes[1] and sizes[1] != const(1)):
+            return False
+        found = True
+    return found
 
 
 def _body(value: ComputedValue) -> Node:
