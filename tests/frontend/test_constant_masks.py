@@ -88,7 +88,8 @@ def test_causal_mask_for_a_shorter_query_stays():
     """Queries of one length against keys of another (decoding with a cache): SDPA's is_causal
     aligns the mask to the top left, the model's to the bottom right; the mask stays."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(B, H, 4, D, generator=g), torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
+    q = torch.randn(B, H, 4, D, generator=g)
+    k, v = torch.randn(B, H, S, D, generator=g), torch.randn(B, H, S, D, generator=g)
 
     def f(q, k, v):
         rows = torch.arange(S, device=q.device)

@@ -235,6 +235,36 @@ def test_min_cut_partitioner_saves_less_for_the_backward(monkeypatch):
     assert min_cut < 0.75 * everything, (min_cut, everything)
 
 
+@pytest.mark.parametrize("options", [{}, {"cpu_backend": "triton"}], ids=["cpp", "triton"])
+def test_relu_and_max_pool_save_no_float_activation(monkeypatch, options):
+    """conv -> relu -> max pool -> conv: the forward saves relu's bool mask (its backward is
+    decomposed: `threshold_backward` whole needed the fp32 input) and the pooling's indices,
+    not the pooling's fp32 input (its backward reads it for its shape only).  What it saves:
+    the pooled output (the second convolution's input), the indices, the mask, and the second
+    convolution's output (square's backward) and the loss."""
+    if options:
+        pytest.importorskip("triton")
+    saved = _spy_saved_bytes(monkeypatch)
+    torch.manual_seed(0)
+    conv1, conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 4, 3)
+
+    def step(x):
+        return conv2(F.max_pool2d(torch.relu(conv1(x)), 3, 2, ceil_mode=True)).square().sum()
+
+    x = randn(2, 3, 17, 17)
+    ref1, ref2 = copy.deepcopy(conv1), copy.deepcopy(conv2)
+    torch.compile(step, backend="torchfuse", options=options)(x).backward()
+    conv2(F.max_pool2d(torch.relu(ref1(x)), 3, 2, ceil_mode=True)).square().sum()   # (warm the modules)
+    ref2(F.max_pool2d(torch.relu(ref1(x)), 3, 2, ceil_mode=True)).square().sum().backward()
+    for a, b in ((conv1, ref1), (conv2, ref2)):
+        torch.testing.assert_close(a.weight.grad, b.weight.grad, rtol=1e-4, atol=1e-4)
+    pooled = 2 * 8 * 8 * 8
+    indices = pooled * (1 if options else 8)        # int8 window offsets on Triton, ATen's int64 on C++
+    relu_mask = 2 * 8 * 17 * 17                     # bool
+    conv_out = 2 * 4 * 6 * 6 * 4
+    assert saved == [pooled * 4 + indices + relu_mask + conv_out + 4], saved
+
+
 def test_unknown_partitioner_is_refused():
     with pytest.raises(ValueError, match=r"partitioner='greedy' must be one of \['default', 'min_cut'\]"):
         torchfuse.compile(lambda x: x + 1, options={"partitioner": "greedy"})

@@ -145,20 +145,41 @@ def _start_compile_workers(example_inputs: list, config: Config) -> None:
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
-    """AOTAutograd's min-cut partition of the joint graph, after dropping its `detach` nodes.
-    The joint graph is functional and its gradients are explicit, so a detach is a no-op there;
-    but the partitioner counts it as a use that must be materialized, and so saved the
-    log-probabilities of a cross entropy ([tokens, vocab]) for the backward instead of
-    recomputing them from the logits.  (Graph outputs keep their detach: aliasing metadata was
-    computed for them.)"""
+    """AOTAutograd's min-cut partition of the joint graph, after dropping what it would count as
+    uses of a forward value that read none of its elements:
+    - `detach` nodes.  The joint graph is functional and its gradients are explicit, so a detach
+      is a no-op there; but the partitioner counts it as a use that must be materialized, and so
+      saved the log-probabilities of a cross entropy ([tokens, vocab]) for the backward instead
+      of recomputing them from the logits.  (Graph outputs keep their detach: aliasing metadata
+      was computed for them.)
+    - the input of a max pooling, which its backward reads for its shape and strides only (the
+      indices say where the gradient goes): it was saved for the backward, a full activation
+      per pooling (a ResNet's stem: [batch, 64, 112, 112]), where Inductor saves none."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     graph = joint.graph
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)):
         node.replace_all_uses_with(node.args[0], delete_user_cb=lambda user: user.op != "output")
         if not node.users:
             graph.erase_node(node)
+    pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
+    for node in list(graph.find_nodes(op="call_function", target=pool_backward)):
+        _shape_only_input(graph, node, 1)
     joint.recompile()
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _shape_only_input(graph: fx.Graph, node: fx.Node, pos: int) -> None:
+    """Give `node` an uninitialized tensor of its argument `pos`'s shape, strides and dtype
+    instead of that argument (static shapes only)."""
+    arg = node.args[pos]
+    val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not all(isinstance(x, int) for x in (*val.shape, *val.stride())):
+        return
+    with graph.inserting_before(node):
+        like = graph.call_function(torch.ops.aten.empty_strided.default, (list(val.shape), list(val.stride())),
+                                   {"dtype": val.dtype, "device": val.device})
+    like.meta.update(arg.meta)
+    node.args = node.args[:pos] + (like,) + node.args[pos + 1:]
 
 
 def _config_dict(config: Config) -> dict:
