@@ -317,3 +317,22 @@ def test_pointwise_kernel_keeps_every_store_contiguous(tf):
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
     pointwise = [k for k in e.kernels if k.name.split(".")[-1].startswith("poi")]
     assert pointwise and not [k.name for k in pointwise if _strided_stores(k.source)]
+
+
+def test_norm_gradient_of_a_permuted_input_stays_out_of_the_column_sums(tf):
+    """ConvNeXt's layer norm over the channels of a channels-last map (permuted to NHWC): its
+    backward's weight and bias gradients are column sums over [N*H*W] x [C], its input gradient
+    is written per element.  Both read the same gradient, but the input gradient's logical dims
+    are NCHW: in the column sums' kernel it was re-tiled with its contiguous channels split
+    across kernel loops, sharing only the per-row rstd with them (1.15 ms per call on an H100,
+    15x a kernel of its own).  It gets a kernel of its own, and the refusal says why."""
+    x = tf.rand((4, 16, 10, 10)).to(memory_format=torch.channels_last).requires_grad_()
+    w, b = tf.rand((16,)).requires_grad_(), tf.rand((16,)).requires_grad_()
+
+    def fn(x, w, b):
+        return F.layer_norm(x.permute(0, 2, 3, 1), (16,), w, b, eps=1e-6).permute(0, 3, 1, 2)
+
+    e = tf.check_grad(fn, x, w, b, atol=1e-4, rtol=1e-4)
+    backward = [k for k in e.kernels if k.graph.endswith("_backward")]
+    assert any("uncoalesced" in r for r in e.refused_fusions), e.refused_fusions
+    assert len(backward) == 3, [k.name for k in backward]     # row sums, column sums, input gradient
