@@ -65,7 +65,7 @@ def _run_conv(gm, ctx=CPU) -> int:
 
 @pytest.mark.parametrize("case,changed", [
     ("conv2d_relu", 1), ("conv1d_residual", 1), ("conv3d_sigmoid", 1), ("transposed_relu", 1),
-    ("channels_last_relu", 1), ("permuted_layer_norm", 1), ("upcast_layer_norm", 1),
+    ("channels_last_relu", 1), ("permuted_layer_norm", 1), ("upcast_layer_norm", 1), ("transposed_cat", 1),
     ("no_bias", 0), ("output", 0), ("into_conv", 0)])
 def test_unfuse_conv_bias(case, changed):
     x2, w2, b = torch.randn(2, 3, 9, 7), torch.randn(5, 3, 3, 3), torch.randn(5)
@@ -84,6 +84,8 @@ def test_unfuse_conv_bias(case, changed):
                                 (x2, w2, b)),
         "upcast_layer_norm": (lambda x, w, b: F.layer_norm(F.conv2d(x, w, b).permute(0, 2, 3, 1).float(), (5,)),
                               (x2.bfloat16(), w2.bfloat16(), b.bfloat16())),
+        "transposed_cat": (lambda x, w, b, skip: torch.cat([skip, F.conv_transpose2d(x, w, b, stride=2)], 1),
+                           (torch.randn(2, 5, 4, 3), torch.randn(5, 3, 2, 2), torch.randn(3), torch.randn(2, 4, 8, 6))),
         "no_bias": (lambda x, w, b: F.conv2d(x, w).relu() + b.view(-1, 1, 1), (x2, w2, b)),
         "output": (lambda x, w, b: F.conv2d(x, w, b), (x2, w2, b)),
         "into_conv": (lambda x, w, b, w_next: F.conv2d(F.conv2d(x, w, b), w_next), (x2, w2, b, w_next)),

@@ -3,7 +3,7 @@
     addmm(bias, a, b)          ->  mm(a, b) + bias                   (pass `unfuse_addmm`)
     convolution(x, w, bias)    ->  convolution(x, w, None) + bias    (pass `unfuse_conv_bias`)
 
-each only when every use of the result is pointwise or a reduction.  Matmul and convolution stay in
+each only when every use of the result is pointwise, a reduction or a concatenation.  Matmul and convolution stay in
 cuBLAS/cuDNN, and the scheduler fuses the pointwise consumers of their output (GELU, the
 residual add before a layer norm, a batch norm + ReLU) into one kernel; the bias add then costs
 nothing there, since that kernel reads the product anyway.
@@ -54,6 +54,13 @@ def _pointwise_uses_only(node: fx.Node) -> bool:
             return False
         if use.target in _VIEWS:
             if not _pointwise_uses_only(use):
+                return False
+        elif use.target is aten.cat.default:
+            # U-Net's up-convolution concatenated with its skip: the fused cat kernel reads the
+            # part through the bias add (a cat of more parts runs in ATen, which would add it in
+            # a kernel of its own, as ATen's convolution does)
+            from ..ir.lower_views import CAT_MAX_FUSED_PARTS
+            if len(use.args[0]) > CAT_MAX_FUSED_PARTS:
                 return False
         elif use.target is aten._to_copy.default:
             # a dtype conversion (bf16 upcast before a layer norm's statistics), not a device move
