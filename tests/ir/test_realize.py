@@ -121,6 +121,29 @@ def test_attention_bias_with_symbolic_sizes_is_copied_aligned(monkeypatch):
         assert _seen_bias_strides[:2] == [(s * row, s * row, row, 1)] * 2, (s, _seen_bias_strides)
 
 
+def test_attention_bias_broadcast_over_heads_is_stored_once(monkeypatch):
+    """A decoder's [B, 1, S, S] mask, made additive and expanded to every head, as SDPA passes it
+    to the CUDA kernels: stored [B, 1, S, S] (rows aligned) and read with stride 0 over the
+    heads, not written dense for every head (Mistral: 1 GiB where its values take 32 MiB)."""
+    from torchfuse.ir import lowering
+    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+                        (3, "bias"))
+    b, h, s = 2, 4, 12
+
+    def masked(q, keep):
+        bias = torch.where(keep, 0.0, float("-inf"))[:, None].expand(b, h, s, s)
+        return torch.ops.torchfuse_test.biased_attention(q, q, q, bias)
+
+    torch.manual_seed(0)
+    q, keep = torch.randn(b, h, s, 16), torch.rand(b, s, s) > 0.3
+    keep[:, torch.arange(s), torch.arange(s)] = True
+    expected = masked(q, keep)
+    _seen_bias_strides.clear()
+    e = torchfuse.explain(masked, q, keep)
+    torch.testing.assert_close(e.output, expected)
+    assert _seen_bias_strides == [(s * 16, 0, 16, 1)], _seen_bias_strides
+
+
 def _shared_bias_chain(h: torch.Tensor, b: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
     for w in ws:
         h = torch.tanh((h + b) @ w)

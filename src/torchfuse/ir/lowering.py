@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
-from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var
+from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var, walk
 
 log = logging.getLogger("torchfuse.lowering")
 
@@ -294,6 +294,7 @@ class GraphLowering:
         # its id is not reused.
         self._realized: dict[int, tuple[ComputedValue, StridedValue]] = {}
         self._aligned_copies: dict[tuple, StridedValue] = {}    # (buffer, layout) -> its aligned copy
+        self._broadcast_biases: dict[int, tuple] = {}    # id(bias) -> (bias, its stored view)
 
     # -- helpers used by the op lowerings ---------------------------------------------------
     def new_name(self, prefix: str = "buf") -> str:
@@ -504,7 +505,7 @@ class GraphLowering:
         if not isinstance(bias, TensorValue) or bias.ndim < 2:
             return args, kwargs
         layout = aligned_bias_layout(bias.shape)
-        stored = self.stored(bias, layout)
+        stored = self._broadcast_bias(bias) or self.stored(bias, layout)
         if stored.layout.strides != layout.strides and _misaligned(stored.layout, layout):
             # realized earlier for another reader, or a dense input: an aligned copy (one for
             # all the layers reading the same mask)
@@ -516,6 +517,30 @@ class GraphLowering:
         if pos < len(args):
             return args[:pos] + (stored,) + args[pos + 1:], kwargs
         return args, {**kwargs, name: stored}
+
+    def _broadcast_bias(self, bias: TensorValue) -> StridedValue | None:
+        """A computed bias broadcast over some dims (a [B, 1, S, S] mask expanded to every head)
+        stored without them: aligned over its own dims, stride 0 over the broadcast ones.
+        Written dense, Mistral's [2, 32, 2048, 2048] fp32 mask took 1 GiB, where its values
+        take 32 MiB (the kernels read a broadcast bias through its strides, as eager passes it)."""
+        if not isinstance(bias, ComputedValue):
+            return None
+        done = self._broadcast_biases.get(id(bias))
+        if done is not None:
+            return done[1]
+        body = bias.load([var(f"i{k}") for k in range(bias.ndim)])
+        used = {n.arg for n in walk(body) if n.op == "var"}
+        broadcast = [k for k, size in enumerate(bias.shape)
+                     if f"i{k}" not in used and not (size.op == "const" and size.arg == 1)]
+        if not broadcast:
+            return None
+        own = tuple(const(1) if k in broadcast else size for k, size in enumerate(bias.shape))
+        values = ComputedValue(own, bias.dtype, lambda idx: bias.load(list(idx)))
+        stored = self.realize(values, layout=aligned_bias_layout(own))
+        strides = tuple(const(0) if k in broadcast else st for k, st in enumerate(stored.layout.strides))
+        result = StridedValue(stored.buffer, Layout(tuple(bias.shape), strides), bias.dtype)
+        self._broadcast_biases[id(bias)] = (bias, result)
+        return result
 
     def _node_order(self) -> dict[fx.Node, int]:
         if self._order is None:
