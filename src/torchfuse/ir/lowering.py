@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
-from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var, walk
+from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var
 
 log = logging.getLogger("torchfuse.lowering")
 
@@ -496,52 +496,6 @@ class GraphLowering:
                 n, c, h, w = a.shape
                 self.stored(a, Layout(a.shape, (h * w * c, const(1), w * c, c)))
 
-    def _realize_attention_bias(self, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A computed attention bias is written with aligned strides (`aligned_bias_layout`): a
-        contiguous [windows, heads, 49, 49] bias has a batch stride of 7203 elements, which the
-        CUDA kernels refuse."""
-        pos, name = _ATTENTION_BIAS_ARG[node.target]
-        bias = args[pos] if pos < len(args) else kwargs.get(name)
-        if not isinstance(bias, TensorValue) or bias.ndim < 2:
-            return args, kwargs
-        layout = aligned_bias_layout(bias.shape)
-        stored = self._broadcast_bias(bias) or self.stored(bias, layout)
-        if stored.layout.strides != layout.strides and _misaligned(stored.layout, layout):
-            # realized earlier for another reader, or a dense input: an aligned copy (one for
-            # all the layers reading the same mask)
-            key = (stored.buffer, stored.layout)
-            copy = self._aligned_copies.get(key)
-            if copy is None:
-                copy = self._aligned_copies[key] = self.realize(stored, layout=layout)
-            stored = copy
-        if pos < len(args):
-            return args[:pos] + (stored,) + args[pos + 1:], kwargs
-        return args, {**kwargs, name: stored}
-
-    def _broadcast_bias(self, bias: TensorValue) -> StridedValue | None:
-        """A computed bias broadcast over some dims (a [B, 1, S, S] mask expanded to every head)
-        stored without them: aligned over its own dims, stride 0 over the broadcast ones.
-        Written dense, Mistral's [2, 32, 2048, 2048] fp32 mask took 1 GiB, where its values
-        take 32 MiB (the kernels read a broadcast bias through its strides, as eager passes it)."""
-        if not isinstance(bias, ComputedValue):
-            return None
-        done = self._broadcast_biases.get(id(bias))
-        if done is not None:
-            return done[1]
-        body = bias.load([var(f"i{k}") for k in range(bias.ndim)])
-        used = {n.arg for n in walk(body) if n.op == "var"}
-        broadcast = [k for k, size in enumerate(bias.shape)
-                     if f"i{k}" not in used and not (size.op == "const" and size.arg == 1)]
-        if not broadcast:
-            return None
-        own = tuple(const(1) if k in broadcast else size for k, size in enumerate(bias.shape))
-        values = ComputedValue(own, bias.dtype, lambda idx: bias.load(list(idx)))
-        stored = self.realize(values, layout=aligned_bias_layout(own))
-        strides = tuple(const(0) if k in broadcast else st for k, st in enumerate(stored.layout.strides))
-        result = StridedValue(stored.buffer, Layout(tuple(bias.shape), strides), bias.dtype)
-        self._broadcast_biases[id(bias)] = (bias, result)
-        return result
-
     def _node_order(self) -> dict[fx.Node, int]:
         if self._order is None:
             self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
@@ -579,7 +533,8 @@ class GraphLowering:
         if node.target in _CONVOLUTIONS:
             self._realize_channels_last(node, args)
         if node.target in _ATTENTION_BIAS_ARG:
-            args, kwargs = self._realize_attention_bias(node, args, kwargs)
+            from .realize import aligned_attention_bias
+            args, kwargs = aligned_attention_bias(self, node, args, kwargs)
 
         def to_ref(a: Any) -> Any:
             if isinstance(a, TensorValue):

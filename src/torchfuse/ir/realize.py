@@ -9,6 +9,9 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
 - it is a window of its input (pooling: each reader would read the input that many times);
 - inlining it would keep more than MAX_DEFERRED_READS buffers of its size alive across an ATen
   call, buffers nothing else reads later (`defers_dying_reads`: a gradient summed over layers).
+Where it is stored: channels-last when computed from channels-last buffers only
+(`channels_last_inputs`); an attention bias with aligned strides, once per broadcast mask
+(`aligned_attention_bias`).
 """
 from __future__ import annotations
 
@@ -19,8 +22,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .buffers import ComputedValue, StridedValue
-from .lowering import LOWERINGS, REDUCTIONS, meta_val
+from .buffers import ComputedValue, Layout, StridedValue, TensorValue
+from .lowering import _ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _misaligned, aligned_bias_layout, meta_val
 from .nodes import Node, const, cost, var
 from .nodes import loads as _loads, walk as _walk
 
@@ -238,3 +241,51 @@ def full_read_buffers(body: Node, shape: Sequence[Node]) -> set[str]:
     residual)."""
     needed = {f"i{k}" for k, size in enumerate(shape) if not (size.op == "const" and size.arg == 1)}
     return {ld.arg for ld in _loads(body) if needed <= {x.arg for x in _walk(ld.args[0]) if x.op == "var"}}
+
+
+def aligned_attention_bias(lowering: Any, node: fx.Node, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A computed attention bias is written with aligned strides (`aligned_bias_layout`): a
+    contiguous [windows, heads, 49, 49] bias has a batch stride of 7203 elements, which the
+    CUDA kernels refuse."""
+    pos, name = _ATTENTION_BIAS_ARG[node.target]
+    bias = args[pos] if pos < len(args) else kwargs.get(name)
+    if not isinstance(bias, TensorValue) or bias.ndim < 2:
+        return args, kwargs
+    layout = aligned_bias_layout(bias.shape)
+    stored = _broadcast_bias(lowering, bias) or lowering.stored(bias, layout)
+    if stored.layout.strides != layout.strides and _misaligned(stored.layout, layout):
+        # realized earlier for another reader, or a dense input: an aligned copy (one for
+        # all the layers reading the same mask)
+        key = (stored.buffer, stored.layout)
+        copy = lowering._aligned_copies.get(key)
+        if copy is None:
+            copy = lowering._aligned_copies[key] = lowering.realize(stored, layout=layout)
+        stored = copy
+    if pos < len(args):
+        return args[:pos] + (stored,) + args[pos + 1:], kwargs
+    return args, {**kwargs, name: stored}
+
+
+def _broadcast_bias(lowering: Any, bias: TensorValue) -> StridedValue | None:
+    """A computed bias broadcast over some dims (a [B, 1, S, S] mask expanded to every head)
+    stored without them: aligned over its own dims, stride 0 over the broadcast ones.
+    Written dense, Mistral's [2, 32, 2048, 2048] fp32 mask took 1 GiB, where its values
+    take 32 MiB (the kernels read a broadcast bias through its strides, as eager passes it)."""
+    if not isinstance(bias, ComputedValue):
+        return None
+    done = lowering._broadcast_biases.get(id(bias))
+    if done is not None:
+        return done[1]
+    body = bias.load([var(f"i{k}") for k in range(bias.ndim)])
+    used = {n.arg for n in _walk(body) if n.op == "var"}
+    broadcast = [k for k, size in enumerate(bias.shape)
+                 if f"i{k}" not in used and not (size.op == "const" and size.arg == 1)]
+    if not broadcast:
+        return None
+    own = tuple(const(1) if k in broadcast else size for k, size in enumerate(bias.shape))
+    values = ComputedValue(own, bias.dtype, lambda idx: bias.load(list(idx)))
+    stored = lowering.realize(values, layout=aligned_bias_layout(own))
+    strides = tuple(const(0) if k in broadcast else st for k, st in enumerate(stored.layout.strides))
+    result = StridedValue(stored.buffer, Layout(tuple(bias.shape), strides), bias.dtype)
+    lowering._broadcast_biases[id(bias)] = (bias, result)
+    return result
