@@ -118,3 +118,26 @@ def test_new_batch_sizes_build_nothing():
         builds.append(counters["kernel_builds"] - before)
     assert builds[2:] == [0, 0], builds
     assert counters["channels_last_training"] > relaid
+
+
+def test_channels_last_copy_of_the_input_is_not_saved(monkeypatch):
+    """The images' channels-last copy feeds the stem's convolution, whose weight gradient reads
+    it again: the backward recomputes it from the input (held by the caller anyway) instead of
+    the forward saving a second copy of the batch for the whole step."""
+    import torchfuse.runtime.compiled_graph as cg
+    saved_shapes: list[tuple[int, ...]] = []
+    real = cg.compile_graph
+
+    def spy(gm, config, *, kind, **kw):
+        if kind == "forward":
+            outs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+            saved_shapes.extend(tuple(o.meta["val"].shape) for o in outs
+                                if isinstance(o, torch.fx.Node) and o.op != "placeholder"
+                                and isinstance(o.meta.get("val"), torch.Tensor))
+        return real(gm, config, kind=kind, **kw)
+
+    monkeypatch.setattr(cg, "compile_graph", spy)
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 12, 12)
+    _check(ConvNet(), x, relaid=1)
+    assert saved_shapes and tuple(x.shape) not in saved_shapes, saved_shapes

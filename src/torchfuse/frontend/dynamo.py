@@ -164,8 +164,23 @@ def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
     pool_backward = torch.ops.aten.max_pool2d_with_indices_backward.default
     for node in list(graph.find_nodes(op="call_function", target=pool_backward)):
         _shape_only_input(graph, node, 1)
+    _recompute_input_relayouts(graph)
     joint.recompile()
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _recompute_input_relayouts(graph: fx.Graph) -> None:
+    """A copy of a forward input into another memory format (the channels-last copy of the
+    images a training step re-lays, `channels_last_training.py`) is recomputed in the backward
+    rather than saved: the input is held by the caller anyway, and the partitioner, which would
+    have to materialize the copy for the convolution's weight gradient either way, saved it for
+    the whole step."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default):
+        src = node.args[0]
+        if isinstance(src, fx.Node) and src.op == "placeholder" and str(src.target).startswith("primals") \
+                and node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _shape_only_input(graph: fx.Graph, node: fx.Node, pos: int) -> None:
