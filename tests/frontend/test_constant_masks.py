@@ -70,17 +70,22 @@ def test_masks(fn, dropped, causal):
     assert counters["causal_masks_replaced"] - before[1] == causal
 
 
-def test_causal_mask_in_training():
-    """A causal mask replaced by is_causal=True: gradients are eager's (with the mask)."""
-    before = counters["causal_masks_replaced"]
-    q, k, v = _qkv(requires_grad=True)
+def _check_training_step(compiled, fn, batch: int = B) -> None:
+    """Outputs and q/k/v gradients of `compiled` equal `fn`'s, run eagerly."""
+    q, k, v = _qkv(batch, requires_grad=True)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, expected = torch.compile(causal_additive, backend="torchfuse")(q, k, v), causal_additive(qr, kr, vr)
+    out, expected = compiled(q, k, v), fn(qr, kr, vr)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     out.square().sum().backward()
     expected.square().sum().backward()
     for a, b in ((q, qr), (k, kr), (v, vr)):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_mask_in_training():
+    """A causal mask replaced by is_causal=True: gradients are eager's (with the mask)."""
+    before = counters["causal_masks_replaced"]
+    _check_training_step(torch.compile(causal_additive, backend="torchfuse"), causal_additive)
     assert counters["causal_masks_replaced"] - before == 1
 
 
@@ -119,14 +124,7 @@ def test_symbolic_batch_and_training():
     before = counters["constant_masks_dropped"]
     compiled = torch.compile(all_true_from_arange, backend="torchfuse", dynamic=True)
     for batch in (3, 5):
-        q, k, v = _qkv(batch, requires_grad=True)
-        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out, expected = compiled(q, k, v), all_true_from_arange(qr, kr, vr)
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        out.square().sum().backward()
-        expected.square().sum().backward()
-        for a, b in ((q, qr), (k, kr), (v, vr)):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+        _check_training_step(compiled, all_true_from_arange, batch)
     assert counters["constant_masks_dropped"] - before == 1
 
 
