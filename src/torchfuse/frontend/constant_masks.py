@@ -103,8 +103,7 @@ def _value(node: Any, memo: dict, budget: list[int]) -> Any:
 
 def _symbolic(node: fx.Node) -> bool:
     """Does a broadcast's target shape hold a symbolic size (a dynamic batch)?"""
-    sizes = [a for a in (*node.args[1:], *node.kwargs.values())]
-    flat = [x for a in sizes for x in (a if isinstance(a, (list, tuple)) else (a,))]
+    flat = [x for a in (*node.args[1:], *node.kwargs.values()) for x in (a if isinstance(a, (list, tuple)) else (a,))]
     return any(isinstance(x, (fx.Node, torch.SymInt)) for x in flat)
 
 
@@ -137,9 +136,8 @@ def _is_causal(mask: Any, sdpa: fx.Node) -> bool:
         return bool((mask == lower).all())
     if not mask.is_floating_point():
         return False
-    above = mask.masked_select(~lower.expand(mask.shape))
-    return bool((mask.masked_select(lower.expand(mask.shape)) == 0).all()) and \
-        bool((above <= torch.finfo(mask.dtype).min).all())
+    lower = lower.expand(mask.shape)
+    return bool((mask[lower] == 0).all()) and bool((mask[~lower] <= torch.finfo(mask.dtype).min).all())
 
 
 def _set_mask(node: fx.Node, in_kwargs: bool, causal: bool) -> None:

@@ -255,6 +255,12 @@ REDUCTIONS = frozenset({
     torch.ops.aten.argmin.default, torch.ops.aten.var.correction, torch.ops.aten.var_mean.correction,
     torch.ops.aten.std.correction, torch.ops.prims.sum.default, torch.ops.prims.var.default,
     torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
+def channels_last_layout(shape: Sequence[Node]) -> Layout:
+    """NHWC strides for an [N, C, H, W] value."""
+    n, c, h, w = shape
+    return Layout(tuple(shape), (h * w * c, const(1), w * c, c))
+
+
 def _channels_last_conv(node: fx.Node) -> bool:
     """A convolution whose output (and so whose input, for cuDNN and oneDNN) is channels-last."""
     if node.target not in _CONVOLUTIONS:
@@ -493,8 +499,7 @@ class GraphLowering:
             return
         for a in args:
             if isinstance(a, ComputedValue) and a.ndim == 4:
-                n, c, h, w = a.shape
-                self.stored(a, Layout(a.shape, (h * w * c, const(1), w * c, c)))
+                self.stored(a, channels_last_layout(a.shape))
 
     def _node_order(self) -> dict[fx.Node, int]:
         if self._order is None:
@@ -510,23 +515,19 @@ class GraphLowering:
     def _maybe_realize_one(self, node: fx.Node, value: Any, readers: list[fx.Node]) -> Any:
         if not isinstance(value, ComputedValue):
             return value
-        layout = None
-        if value.ndim == 4 and readers and all(_channels_last_conv(r) for r in readers):
-            # stored as the convolutions read it (a channel shuffle's half, whose own node says
-            # NCHW), else ATen copies it to channels-last in every call
-            n, c, h, w = value.shape
-            layout = Layout(value.shape, (h * w * c, const(1), w * c, c))
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
         from .realize import channels_last_inputs, should_store
-        if should_store(self, node, value):
-            if layout is None and value.ndim == 4 and all(u.op != "output" for u in node.users) \
-                    and channels_last_inputs(self, value):
-                n, c, h, w = value.shape
-                layout = Layout(value.shape, (h * w * c, const(1), w * c, c))
-            return self.realize(value, layout=layout)
-        return value
+        if not should_store(self, node, value):
+            return value
+        # channels-last where the convolutions reading it take it so (a channel shuffle's half,
+        # whose own node says NCHW: else ATen copies it to channels-last in every call), or where
+        # it is an intermediate computed from channels-last buffers only
+        if value.ndim == 4 and ((readers and all(_channels_last_conv(r) for r in readers)) or
+                                (all(u.op != "output" for u in node.users) and channels_last_inputs(self, value))):
+            return self.realize(value, layout=channels_last_layout(value.shape))
+        return self.realize(value)
 
     def _fallback(self, node: fx.Node, reason: str) -> None:
         args, kwargs = self._args(node)

@@ -35,7 +35,7 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
     if not config.fuse:
         return True
     body = None
-    if len(node.users) > 1 and not (not window and readers_converge(node)):
+    if len(node.users) > 1 and (window or not readers_converge(node)):
         if window:
             return True
         body = _body(value)
@@ -276,14 +276,13 @@ def _broadcast_bias(lowering: Any, bias: TensorValue) -> StridedValue | None:
     done = lowering._broadcast_biases.get(id(bias))
     if done is not None:
         return done[1]
-    body = bias.load([var(f"i{k}") for k in range(bias.ndim)])
-    used = {n.arg for n in _walk(body) if n.op == "var"}
+    used = {n.arg for n in _walk(_body(bias)) if n.op == "var"}
     broadcast = [k for k, size in enumerate(bias.shape)
                  if f"i{k}" not in used and not (size.op == "const" and size.arg == 1)]
     if not broadcast:
         return None
     own = tuple(const(1) if k in broadcast else size for k, size in enumerate(bias.shape))
-    values = ComputedValue(own, bias.dtype, lambda idx: bias.load(list(idx)))
+    values = ComputedValue(own, bias.dtype, bias.load)
     stored = lowering.realize(values, layout=aligned_bias_layout(own))
     strides = tuple(const(0) if k in broadcast else st for k, st in enumerate(stored.layout.strides))
     result = StridedValue(stored.buffer, Layout(tuple(bias.shape), strides), bias.dtype)
