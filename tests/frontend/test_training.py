@@ -265,6 +265,42 @@ def test_relu_and_max_pool_save_no_float_activation(monkeypatch, options):
     assert saved == [pooled * 4 + indices + relu_mask + conv_out + 4], saved
 
 
+def _ffn_stack(h: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+    # T5's feed-forward blocks: relu, dropout (p=0: a clone), down projection, residual
+    for w1, w2 in zip(ws[::2], ws[1::2]):
+        h = h + F.dropout(torch.relu(h @ w1), p=0.0, training=True) @ w2
+    return h.sum()
+
+
+@pytest.mark.parametrize("options", [{}, {"cpu_backend": "triton"}], ids=["cpp", "triton"])
+def test_saved_relu_masks_are_computed_in_their_layer(options):
+    """The partition saves each layer's ReLU output (the down projection's weight gradient reads
+    it) and its bool mask, which it moves from the backward into the forward, after the whole
+    forward: computed there, every layer's pre-activation stayed alive to the forward's end, and
+    each ReLU output was written twice (for its matmul, and as the saved output).  Now the
+    forward holds what the backward reads and one matmul output: four ReLU outputs (4 KiB
+    each), their masks (1 KiB each), three residual sums (1 KiB each), the last matmul's
+    output (1 KiB)."""
+    if options:
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    layers, n, f = 4, 32, 128
+    h = randn(8, n).requires_grad_()
+    ws = [(torch.randn(n, f) / 6 if k % 2 == 0 else torch.randn(f, n) / 12).requires_grad_()
+          for k in range(2 * layers)]
+    e = torchfuse.explain(_ffn_stack, h, *ws, options=options)
+    forward = next(m for m in e.memory if "forward" in m)
+    assert "_forward: planned peak 24.0 KiB held by the wrapper" in forward, forward
+    relu_kernels = [k.name for k in e.kernels if "relu" in k.name]
+    assert len(relu_kernels) == layers and all("le" in k for k in relu_kernels), relu_kernels
+    refs = [t.detach().clone().requires_grad_() for t in (h, *ws)]
+    _ffn_stack(*refs).backward()
+    compiled = torch.compile(_ffn_stack, backend="torchfuse", options=options)
+    compiled(h, *ws).backward()
+    for got, ref in zip((h, *ws), refs):
+        torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_unknown_partitioner_is_refused():
     with pytest.raises(ValueError, match=r"partitioner='greedy' must be one of \['default', 'min_cut'\]"):
         torchfuse.compile(lambda x: x + 1, options={"partitioner": "greedy"})

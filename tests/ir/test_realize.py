@@ -124,24 +124,30 @@ def test_attention_bias_with_symbolic_sizes_is_copied_aligned(monkeypatch):
 def test_attention_bias_broadcast_over_heads_is_stored_once(monkeypatch):
     """A decoder's [B, 1, S, S] mask, made additive and expanded to every head, as SDPA passes it
     to the CUDA kernels: stored [B, 1, S, S] (rows aligned) and read with stride 0 over the
-    heads, not written dense for every head (Mistral: 1 GiB where its values take 32 MiB)."""
+    heads, not written dense for every head (Mistral: 1 GiB where its values take 32 MiB), also
+    when every layer reads it and its expression is too costly to recompute in each."""
     from torchfuse.ir import lowering
     monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
                         (3, "bias"))
     b, h, s = 2, 4, 12
 
-    def masked(q, keep):
-        bias = torch.where(keep, 0.0, float("-inf"))[:, None].expand(b, h, s, s)
-        return torch.ops.torchfuse_test.biased_attention(q, q, q, bias)
+    def masked(q, keep, pos):
+        # sliding-window causal mask from position ids, and a padding mask
+        qpos, kpos = pos[:, :, None], pos[:, None, :]
+        allowed = (qpos >= kpos) & (qpos - kpos < s // 2) & keep[:, None, :] & (kpos >= 0) & (qpos < 2 * s)
+        bias = torch.where(allowed, 0.0, float("-inf"))[:, None].expand(b, h, s, s)
+        x = torch.ops.torchfuse_test.biased_attention(q, q, q, bias)
+        return torch.ops.torchfuse_test.biased_attention(x * 2, q, q, bias)
 
     torch.manual_seed(0)
-    q, keep = torch.randn(b, h, s, 16), torch.rand(b, s, s) > 0.3
-    keep[:, torch.arange(s), torch.arange(s)] = True
-    expected = masked(q, keep)
+    q, keep = torch.randn(b, h, s, 16), torch.rand(b, s) > 0.3
+    keep[:, 0] = True                 # every query sees at least one key
+    pos = torch.arange(s).expand(b, s) + torch.randint(0, 3, (b, 1))
+    expected = masked(q, keep, pos)
     _seen_bias_strides.clear()
-    e = torchfuse.explain(masked, q, keep)
+    e = torchfuse.explain(masked, q, keep, pos)
     torch.testing.assert_close(e.output, expected)
-    assert _seen_bias_strides == [(s * 16, 0, 16, 1)], _seen_bias_strides
+    assert _seen_bias_strides == [(s * 16, 0, 16, 1)] * 2, _seen_bias_strides
 
 
 def _shared_bias_chain(h: torch.Tensor, b: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:

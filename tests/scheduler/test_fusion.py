@@ -336,3 +336,24 @@ def test_norm_gradient_of_a_permuted_input_stays_out_of_the_column_sums(tf):
     backward = [k for k in e.kernels if k.graph.endswith("_backward")]
     assert any("uncoalesced" in r for r in e.refused_fusions), e.refused_fusions
     assert len(backward) == 3, [k.name for k in backward]     # row sums, column sums, input gradient
+
+
+def test_transposed_gradient_stays_out_of_the_column_sums_it_shares_an_input_with(tf):
+    """Swin's patch embedding: a layer norm over the channels of a convolution's output read
+    as [batch, H*W, channels] (a transposed view of the NCHW map).  The backward's weight and bias
+    gradients are column sums over [tokens] x [channels]; the input gradient, read back by the
+    convolution's backward, is written NCHW.  In the column sums' kernel it was re-tiled with its
+    channels split across the kernel's loops: it read the operands it shares with the sums at
+    other elements, each with a stride of 96 (0.86 ms per step on an H100).  It gets a kernel
+    of its own."""
+    b, c, h, w = 4, 96, 14, 14
+    g, x, scale = tf.rand((b, h * w, c)), tf.rand((b, c, h, w)), tf.rand((c,))
+
+    def fn(g, x, scale):
+        xt = x.flatten(2).transpose(1, 2)
+        dx = (g * scale + xt).transpose(1, 2).reshape(x.shape)
+        return (g * xt).sum((0, 1)), g.sum((0, 1)), dx
+
+    e = tf.check(fn, g, x, scale, kernels=2, atol=1e-3, rtol=1e-4)
+    sums = next(k for k in e.kernels if k.name.split(".")[-1].startswith("red"))
+    assert len(sums.writes) == 2, sums

@@ -167,7 +167,53 @@ def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
         _shape_only_input(graph, node, 1)
     _recompute_input_relayouts(graph)
     joint.recompile()
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    _saved_values_early(forward)
+    return forward, backward
+
+
+def _saved_values_early(forward: fx.GraphModule) -> None:
+    """Move each value the forward computes only for its outputs to just after its last input.
+
+    The partitioner places what it moved from the backward into the forward (ReLU's mask,
+    `relu <= 0`, saved as bool rather than recomputed) after the whole forward.  Computed there,
+    its input (the layer's pre-activation, which the kernel reads to recompute the ReLU) stayed
+    alive to the forward's end: in T5, one [batch, seq, ffn] fp32 tensor per layer.  A value
+    larger than its inputs (a broadcast) stays where it is, as does a seeded random op, whose
+    place decides its random numbers."""
+    graph = forward.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    floor = placeholders[-1] if placeholders else None
+    moved = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or set(node.users) != {output} or _seeded(node) \
+                or _nbytes(node) > sum(_nbytes(a) for a in node.all_input_nodes):
+            continue
+        anchor = max((*node.all_input_nodes, *([floor] if floor else [])), key=order.__getitem__, default=None)
+        if anchor is None or order[anchor] + 1 >= order[node]:
+            continue
+        anchor.append(node)      # (no moved node reads another: each has only the output as user)
+        moved = True
+    if moved:
+        forward.recompile()
+
+
+def _seeded(node: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _nbytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    n = 1
+    for size in val.shape:
+        # a symbolic size by its example value: int() would guard on it, and so recompile
+        # the graph for every new batch size
+        n *= (getattr(size.node, "hint", None) or 1) if isinstance(size, torch.SymInt) else size
+    return n * val.element_size()
 
 
 def _recompute_input_relayouts(graph: fx.Graph) -> None:

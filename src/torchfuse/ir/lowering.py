@@ -519,6 +519,13 @@ class GraphLowering:
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
         from .realize import channels_last_inputs, should_store
+        if all(u.op == "output" for u in node.users) and node.users and not _is_view(node):
+            # A value only the graph returns (an activation the forward saves for the backward)
+            # is stored here, in eager's strides, not when the output node is reached: stored
+            # there, its inputs stayed alive to the end of the graph (T5's pre-activations, one
+            # per layer, +400 MiB at the forward's end).  (A view stays lazy: stored at the
+            # output, it is a view of its base where an ATen call stored that.)
+            return self.realize(value, layout=_output_layout(meta))
         if not should_store(self, node, value):
             return value
         # channels-last where the convolutions reading it take it so (a channel shuffle's half,
@@ -614,6 +621,28 @@ class GraphLowering:
                 bases.setdefault(key, (a, results[i]))
         return results
 
+    def _view_of_stored_base(self, node: fx.Node) -> StridedValue | None:
+        """A view output (a saved transpose of a matmul operand) lowered while its base was
+        still unstored, rebuilt as a view of the base's buffer where something (the matmul)
+        stored the base since: else the output would be a second copy of it."""
+        if not _is_view(node) or not isinstance(node.args[0], fx.Node):
+            return None
+        base = node.args[0]
+        value = self.env.get(base)
+        done = self._realized.get(id(value)) if isinstance(value, ComputedValue) else None
+        stored = done[1] if done is not None else self._view_of_stored_base(base)
+        if stored is None:
+            return None
+        args, kwargs = self._args(node)
+        current, self.current = self.current, node
+        try:
+            view = LOWERINGS[node.target](self, stored, *args[1:], **kwargs)
+        except Unsupported:
+            return None
+        finally:
+            self.current = current
+        return view if isinstance(view, StridedValue) else None
+
     def _lower_output(self, a: Any) -> Any:
         if a is None:
             return None
@@ -624,18 +653,33 @@ class GraphLowering:
             return ("sym", value)
         if not isinstance(value, TensorValue):
             return ("const", value)
-        meta = meta_val(a)
         if isinstance(value, ComputedValue):
-            # Produce exactly eager's strides (even a non-dense view's): AOTAutograd traced the
-            # backward graph, which may read this output, with those strides.
-            layout = layout_of(meta) if is_dense(meta) or is_non_overlapping(meta) else None
-            value = self.realize(value, layout=layout, origins=value.origins or [a.name])
+            layout = _output_layout(meta_val(a))
+            done = self._realized.get(id(value))     # stored for an ATen call that reads it
+            if done is not None and (layout is None or done[1].layout == layout):
+                value = done[1]
+            else:
+                value = self._view_of_stored_base(a) or \
+                    self.realize(value, layout=layout, origins=value.origins or [a.name])
         ref = self.as_buffer_ref(value)
         if ref.layout is None:
             return ref.buffer
         name = self.new_name("view")
         self.steps.append(AliasView(name, ref.buffer, ref.layout))
         return name
+
+
+def _is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in LOWERINGS and \
+        (getattr(node.target, "is_view", False) or node.target is aten._unsafe_view.default)
+
+
+def _output_layout(meta: Any) -> Layout | None:
+    """The layout a graph output is stored in: exactly eager's strides (even a non-dense view's),
+    since AOTAutograd traced the backward graph, which may read this output, with them."""
+    if isinstance(meta, torch.Tensor) and (is_dense(meta) or is_non_overlapping(meta)):
+        return layout_of(meta)
+    return None
 
 
 _RUNTIME_CHECKS = {aten._assert_scalar.default, aten.sym_constrain_range_for_size.default,

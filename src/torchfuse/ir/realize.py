@@ -34,6 +34,8 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
     window = getattr(value, "window", False)
     if not config.fuse:
         return True
+    if read_only_as_attention_bias(node):
+        return False        # the attention lowering stores it, once (`aligned_attention_bias`)
     body = None
     if len(node.users) > 1 and (window or not readers_converge(node)):
         if window:
@@ -50,6 +52,25 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
             if late or (k - 1) * (m - 1) > 2:
                 return True
     return not window and defers_dying_reads(lowering, node, value, body)
+
+
+def read_only_as_attention_bias(node: fx.Node) -> bool:
+    """Is every reader an attention call taking the value as its bias, and nothing else?  Then
+    the attention lowering stores it: aligned, and with stride 0 over the dims it is broadcast
+    over.  Stored here first, for its many readers (a decoder's mask, read by every layer), it
+    was written dense: Mistral's mask, expanded to 32 heads, took 1 GiB where its values take
+    32 MiB."""
+    if not node.users:
+        return False
+    for user in node.users:
+        spec = _ATTENTION_BIAS_ARG.get(user.target)
+        if spec is None:
+            return False
+        pos, name = spec
+        bias = user.args[pos] if pos < len(user.args) else user.kwargs.get(name)
+        if bias is not node or sum(a is node for a in (*user.args, *user.kwargs.values())) != 1:
+            return False
+    return True
 
 
 def readers_converge(node: fx.Node, depth: int = 6) -> bool:
