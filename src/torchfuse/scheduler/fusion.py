@@ -261,10 +261,10 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
         # input gradient, re-tiled into its weight gradient's column sums, read the input it
         # shared at other elements, and its own operands and NCHW store with a stride of 96
         # (0.86 ms per step on an H100; swin training 0.93 -> 0.98x Inductor without it).
-        # A transposed read shares no cache line
-        # per step (an RMSNorm backward's row sums of g*w*x and the weight gradient's column sums
-        # of g*x_hat, [tokens, hidden] with tokens == hidden, read the same g and x across each
-        # other: one kernel gathered every load of both and vectorized neither)
+        # A transposed read shares no cache line per step (an RMSNorm backward's row sums of
+        # g*w*x and the weight gradient's column sums of g*x_hat, [tokens, hidden] with
+        # tokens == hidden, read the same g and x across each other: one kernel gathered every
+        # load of both and vectorized neither)
         # Only reads of the member's whole space count: a per-row statistic or a per-channel
         # weight both read (a layer norm backward's rstd) is small, whatever order it is read in
         # (ConvNeXt's layer-norm input gradient, channels-last, was re-tiled into its weight
