@@ -5,6 +5,7 @@ through the core pipeline (`runtime.compiled_graph.compile_graph`).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Mapping
 
 import torch
@@ -205,15 +206,9 @@ def _seeded(node: fx.Node) -> bool:
 
 
 def _nbytes(node: fx.Node) -> int:
+    from ..passes._meta import size_hint
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return 0
-    n = 1
-    for size in val.shape:
-        # a symbolic size by its example value: int() would guard on it, and so recompile
-        # the graph for every new batch size
-        n *= (getattr(size.node, "hint", None) or 1) if isinstance(size, torch.SymInt) else size
-    return n * val.element_size()
+    return math.prod(size_hint(s) for s in val.shape) * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def _recompute_input_relayouts(graph: fx.Graph) -> None:

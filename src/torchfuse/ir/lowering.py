@@ -358,6 +358,11 @@ class GraphLowering:
         proto = ComputedValue(tuple(out_ranges), dtype, lambda idx: const(0))
         return self.realize(proto, reduction=(op, tuple(red_ranges), body_fn))
 
+    def stored_form(self, value: Any) -> StridedValue | None:
+        """The buffer a computed value was stored in since (`stored`), if any."""
+        done = self._realized.get(id(value)) if isinstance(value, ComputedValue) else None
+        return None if done is None else done[1]
+
     def stored(self, value: TensorValue, layout: Layout | None = None) -> StridedValue:
         """`value` in a buffer (laid out as `layout` if it is the first to ask): realized once,
         however many consumers ask."""
@@ -440,8 +445,7 @@ class GraphLowering:
         def conv(a: Any) -> Any:
             if isinstance(a, fx.Node):
                 value = self.env[a]
-                done = self._realized.get(id(value)) if isinstance(value, ComputedValue) else None
-                return value if done is None else done[1]
+                return self.stored_form(value) or value
             if isinstance(a, (list, tuple)):
                 return type(a)(conv(x) for x in a)
             if isinstance(a, torch.SymInt):
@@ -628,9 +632,7 @@ class GraphLowering:
         if not _is_view(node) or not isinstance(node.args[0], fx.Node):
             return None
         base = node.args[0]
-        value = self.env.get(base)
-        done = self._realized.get(id(value)) if isinstance(value, ComputedValue) else None
-        stored = done[1] if done is not None else self._view_of_stored_base(base)
+        stored = self.stored_form(self.env.get(base)) or self._view_of_stored_base(base)
         if stored is None:
             return None
         args, kwargs = self._args(node)
@@ -655,9 +657,9 @@ class GraphLowering:
             return ("const", value)
         if isinstance(value, ComputedValue):
             layout = _output_layout(meta_val(a))
-            done = self._realized.get(id(value))     # stored for an ATen call that reads it
-            if done is not None and (layout is None or done[1].layout == layout):
-                value = done[1]
+            done = self.stored_form(value)     # stored for an ATen call that reads it
+            if done is not None and (layout is None or done.layout == layout):
+                value = done
             else:
                 value = self._view_of_stored_base(a) or \
                     self.realize(value, layout=layout, origins=value.origins or [a.name])

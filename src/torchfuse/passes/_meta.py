@@ -87,6 +87,14 @@ def val_of(node: Any) -> Any:
     return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
+def size_hint(x: Any) -> int:
+    """A size's value for a heuristic, without installing a guard on it (int() on a SymInt
+    would, and so recompile the graph for every new size)."""
+    if isinstance(x, torch.SymInt):
+        return x.node.hint if x.node.hint is not None else 1
+    return int(x)
+
+
 # ---- constants ------------------------------------------------------------------------------
 _FILL_ARG = {  # constructor -> index of its fill value (None: the value is implied)
     aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,

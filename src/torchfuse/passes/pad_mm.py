@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ._meta import _fake_arg, create_node, fake_mode_of, val_of
+from ._meta import _fake_arg, create_node, fake_mode_of, size_hint, val_of
 from .context import PassContext
 
 aten = torch.ops.aten
@@ -37,13 +37,6 @@ MIN_MACS = 1 << 24
 
 def _int(x: Any) -> int | None:
     return x if isinstance(x, int) else None
-
-
-def _hint(x: Any) -> int:
-    """A size's value for a heuristic, without installing a guard on it."""
-    if isinstance(x, torch.SymInt):
-        return x.node.hint if x.node.hint is not None else 1
-    return int(x)
 
 
 def _pad(graph: fx.Graph, node: fx.Node, pads: list[int], meta_from: fx.Node) -> fx.Node:
@@ -90,7 +83,7 @@ def _rewrite(graph: fx.Graph, mm: fx.Node, ctx: PassContext) -> bool:
     pad_k, pad_n = -k % align, -n % align
     if not (pad_k or pad_n):
         return False
-    macs = _hint(va.shape[-2]) * k * n * (_hint(va.shape[0]) if va.ndim == 3 else 1)
+    macs = size_hint(va.shape[-2]) * k * n * (size_hint(va.shape[0]) if va.ndim == 3 else 1)
     if macs < MIN_MACS:
         log.debug("pad_mm: %s %s x %s left alone: %d multiply-adds are too few to pay for the copies",
                   mm.name, list(va.shape), list(vb.shape), macs)
