@@ -33,7 +33,7 @@ from zoo import TrainStep, compile_with
 from zoo_models import BY_NAME
 os.environ.update(caches)     # (importing zoo points the caches at fresh folders, for its cold timings)
 name, backend, device, dtype, train = {name!r}, {backend!r}, {device!r}, {dtype!r}, {train!r}
-tiny = compile_with({{"dynamo": "inductor", "saved": "torchfuse", "inductor-saved": "inductor"}}.get(backend, backend), torch.nn.Linear(4, 4).to(device))
+tiny = compile_with({{"dynamo": "inductor", "aot": "inductor", "saved": "torchfuse", "inductor-saved": "inductor"}}.get(backend, backend), torch.nn.Linear(4, 4).to(device))
 tiny(torch.randn(2, 4, device=device)).sum().backward()
 torch._dynamo.reset()
 torchfuse.counters.seconds.clear()
@@ -43,7 +43,8 @@ model, inputs = zm.make("gpu" if device == "cuda" else "cpu", device,
 if device == "cuda":
     torch.cuda.synchronize()
 t0 = time.perf_counter()
-make = (lambda m: torch.compile(m, backend="eager")) if backend == "dynamo" else (lambda m: compile_with(backend, m))
+make = ((lambda m: torch.compile(m, backend={{"dynamo": "eager", "aot": "aot_eager"}}[backend])) if backend in ("dynamo", "aot")
+        else (lambda m: compile_with(backend, m)))
 if backend in ("saved", "inductor-saved"):     # a saved program: the cold process saves it, the warm one loads it
     torch._dynamo.config.enable_aot_compile = True     # off by default before torch 2.13
     program = os.path.join(os.path.dirname(caches["TORCHFUSE_CACHE_DIR"]), "program.tf")
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--train", action="store_true", help="a training step instead of inference")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--cold-only", action="store_true", help="skip the warm start (the second process)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     results: dict[str, dict[str, dict]] = {}
@@ -107,24 +109,25 @@ def main() -> None:
         for backend in args.backends.split(","):
             with tempfile.TemporaryDirectory(prefix="compile-bench-") as caches:
                 cold = run_child(name, backend, args, caches)
-                warm = run_child(name, backend, args, caches)
+                warm = {} if args.cold_only else run_child(name, backend, args, caches)
             results.setdefault(name, {})[backend] = {"cold": cold, "warm": warm}
             print(f"{name} {backend}: cold {cold}, warm {warm}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     mode = "train" if args.train else "infer"
-    lines = [f"\n{args.device} {args.dtype} {mode}: first-call seconds (cold / warm), torchfuse stages of the warm start",
-             "| model | Dynamo alone warm | Inductor cold | Inductor warm | torchfuse cold | torchfuse warm | tf/ind cold "
-             "| tf/ind warm | saved, load + first call: Inductor / tf | tf saved / Ind warm | tf warm stages |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"\n{args.device} {args.dtype} {mode}: first-call seconds (cold / warm), torchfuse stages of the "
+             f"{'cold' if args.cold_only else 'warm'} start",
+             "| model | Dynamo alone warm | Dynamo + AOTAutograd cold | Inductor cold | Inductor warm | torchfuse cold | torchfuse warm | tf/ind cold "
+             "| tf/ind warm | saved, load + first call: Inductor / tf | tf saved / Ind warm | tf stages |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, by in results.items():
         get = lambda b, k: by.get(b, {}).get(k, {}).get("first_call_s")  # noqa: E731
         ic, iw, tc, tw = get("inductor", "cold"), get("inductor", "warm"), get("torchfuse", "cold"), get("torchfuse", "warm")
         f = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
         r = lambda a, b: "—" if a is None or not b else f"{a / b:.2f}x"  # noqa: E731
-        stages = by.get("torchfuse", {}).get("warm", {}).get("stages", {})
-        lines.append(f"| {name} | {f(get('dynamo', 'warm'))} | {f(ic)} | {f(iw)} | {f(tc)} | {f(tw)} | {r(tc, ic)} | {r(tw, iw)} | "
+        stages = by.get("torchfuse", {}).get("cold" if args.cold_only else "warm", {}).get("stages", {})
+        lines.append(f"| {name} | {f(get('dynamo', 'warm'))} | {f(get('aot', 'cold'))} | {f(ic)} | {f(iw)} | {f(tc)} | {f(tw)} | {r(tc, ic)} | {r(tw, iw)} | "
                      f"{f(get('inductor-saved', 'warm'))} / {f(get('saved', 'warm'))} | {r(get('saved', 'warm'), iw)} | "
                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])) + " |")
     print("\n".join(lines))

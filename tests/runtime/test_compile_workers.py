@@ -117,6 +117,64 @@ for dtype in (torch.float32, torch.bfloat16, torch.int64):
     assert _entries(cache) == compiled
 
 
+def test_a_worker_keys_its_binary_as_the_parent_does_after_triton_settings_changed(tmp_path):
+    """Triton reads ptxas's version once per process (part of every binary's key); Inductor points
+    Triton at torch's own ptxas after its first compile read it.  A worker started since read the
+    new ptxas and keyed its binaries by it, so the parent never found them and compiled every
+    kernel again.  A job carries the parent's settings and backend hash: here, in a process with
+    torch standing for the parent, the version it read first, then a setting that names another
+    ptxas release (as far as the key can tell), then a worker's compile, then the parent's own
+    compile of the same kernel finds the worker's binary (no new cache entry)."""
+    import subprocess
+    import sys
+    (tmp_path / "tf_test_kernels.py").write_text(KERNELS)
+    cache = tmp_path / "cache"
+    script = f"""
+import importlib.util, os, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas_version
+from torchfuse.runtime import compile_workers
+target = GPUTarget("cuda", 90, 32)
+compile_workers._use_target(target)
+triton.knobs.cache.dir = {str(cache)!r}
+version = get_ptxas_version(90)                     # the parent's first compile reads it
+os.environ["TRITON_MOCK_PTX_VERSION"] = version.replace("V", "V9", 1)   # then a setting changes
+pool = compile_workers.WorkerPool(1)
+job = ({str(tmp_path / "tf_test_kernels.py")!r}, "tf_test_kernels", "scale", (("*", "float32"), ("*", "float32"), 1024),
+       (1,), {{"XBLOCK": 1024, "num_warps": 4}}, target, {str(cache)!r}, compile_workers.triton_settings(target))
+assert pool.run([job])[0][0] is None
+pool.close()
+compiled = set(os.listdir({str(cache)!r}))
+assert len(compiled) == 1, compiled
+spec = importlib.util.spec_from_file_location("tf_test_kernels", {str(tmp_path / "tf_test_kernels.py")!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.scale.warmup(torch.float32, torch.float32, 1024, grid=(1,), XBLOCK=1024, num_warps=4)
+assert set(os.listdir({str(cache)!r})) == compiled, "the parent compiled the kernel again"
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_MOCK_PTX_VERSION")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_job_applies_the_parents_knobs_and_drops_them_after(setup, monkeypatch):
+    """The settings a job carries reach the worker's compile (a knob set in code in the parent,
+    after the workers started), and a later job without them goes back to Triton's defaults."""
+    from triton.backends.compiler import GPUTarget
+    pool, job, cache = setup
+    target = GPUTarget("cuda", 90, 32)
+    pool.start(target)
+    assert _errors(pool.run([job("scale")] * 2)) == [None, None]       # both workers, before the change
+    assert len(_entries(cache)) == 1
+    monkeypatch.setitem(triton.knobs.nvidia.__dict__, "mock_ptx_version", "a ptxas of another release")
+    settings = compile_workers.triton_settings()       # no target: the worker hashes its backend itself
+    assert settings[1][("nvidia", "mock_ptx_version")] == "a ptxas of another release"
+    assert _errors(pool.run([job("scale") + (settings,)] * 2)) == [None, None]
+    assert len(_entries(cache)) == 2                   # another ptxas: another binary
+    assert _errors(pool.run([job("scale") + (({}, {}, None),)] * 2)) == [None, None]
+    assert len(_entries(cache)) == 2                   # the default again: the first binary
+
+
 def test_errors_come_back_and_the_worker_goes_on(setup):
     pool, job, cache = setup
     answers = _errors(pool.run([job("broken"), job("scale"), job("missing")]))

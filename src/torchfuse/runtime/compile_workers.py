@@ -24,6 +24,15 @@ names a tensor argument's dtype by its name (`("*", "bfloat16")`), and the worke
 a stand-in with that dtype, as Triton's own `MockTensor` does for `warmup`; Triton specializes
 on the dtype's name, so the binary and its cache key are the ones the parent asks for.  Should
 a Triton refuse the stand-in, the worker imports torch and uses real dtypes.
+
+A binary's cache key reads Triton's settings (its knobs: environment variables such as
+`TRITON_PTXAS_PATH`, or values set in code such as `knobs.nvidia.libdevice_path`) and the
+backend's hash (ptxas's version, which Triton reads once per process and keeps).  Other code in
+the process changes them: Inductor points Triton at torch's own ptxas after its first compile
+asked for the version.  A worker then keyed its binaries by another ptxas than the parent
+remembered, the parent never found them and compiled every kernel again, one at a time (a
+MobileNetV3 training step compiled after Inductor's: 45 s, not 20).  So each job carries the
+parent's settings and backend hash (`triton_settings`), and the worker takes both.
 """
 from __future__ import annotations
 
@@ -43,7 +52,7 @@ from typing import Any, Sequence
 log = logging.getLogger("torchfuse")
 
 # (module file, module name, kernel name, args (("*", dtype name) for tensors), grid, keyword arguments,
-#  GPUTarget, Triton cache dir or None)
+#  GPUTarget, Triton cache dir or None[, Triton settings (triton_settings)])
 Job = tuple
 
 JOB_TIMEOUT = 300.0     # seconds a worker may take for one kernel before it is killed
@@ -147,15 +156,66 @@ def pool(size: int) -> WorkerPool:
         return _pool
 
 
-def job_for(kernel: Any, grid: tuple, args: tuple, keywords: dict, target: Any, cache_dir: str | None) -> Job | None:
-    """The job compiling `kernel.warmup(*args, grid=grid, **keywords)` in a worker, or None when
-    the kernel was not loaded from a file a worker can import."""
+def job_for(kernel: Any, grid: tuple, args: tuple, keywords: dict, target: Any, cache_dir: str | None,
+            settings: Settings | None = None) -> Job | None:
+    """The job compiling `kernel.warmup(*args, grid=grid, **keywords)` in a worker, under the
+    parent's Triton `settings` (`triton_settings()`), or None when the kernel was not loaded from
+    a file a worker can import."""
     fn = getattr(kernel, "fn", None)
     scope = getattr(fn, "__globals__", {})
     path, module = scope.get("__file__"), scope.get("__name__")
     if not path or not module or not os.path.exists(path):
         return None
-    return (path, module, fn.__name__, tuple(map(_encode, args)), grid, keywords, target, cache_dir)
+    return (path, module, fn.__name__, tuple(map(_encode, args)), grid, keywords, target, cache_dir, settings)
+
+
+# (environment variables Triton's knobs read, as this process has them; {(group, knob): value} for
+#  knobs set in code to plain values; the target's backend hash, or None)
+Settings = tuple
+
+# What a worker never takes from the parent: the cache folder travels in the job itself, and
+# the interpreter switch is what workers exist to ignore.
+_OWN_GROUPS = ("cache",)
+_OWN_KNOBS = (("runtime", "interpret"),)
+_OWN_VARIABLES = ("TRITON_INTERPRET",)
+
+
+def _knob_groups() -> dict[str, Any]:
+    try:
+        from triton import knobs
+    except ImportError:            # a Triton before knobs: its settings are the environment alone
+        return {}
+    return {name: group for name, group in vars(knobs).items() if isinstance(group, knobs.base_knobs)}
+
+
+def _knob_variables(groups: dict[str, Any]) -> set[str]:
+    return {desc.key for name, group in groups.items() if name not in _OWN_GROUPS
+            for desc in group.knob_descriptors.values()
+            if isinstance(getattr(desc, "key", None), str) and desc.key not in _OWN_VARIABLES}
+
+
+def triton_settings(target: Any = None) -> Settings:
+    """This process's Triton settings that a compile for `target` reads (what a worker applies
+    first)."""
+    groups = _knob_groups()
+    env = {key: os.environ[key] for key in _knob_variables(groups) if key in os.environ}
+    try:      # variables Triton's C++ side reads (those set now): part of every key
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        env.update(get_cache_invalidating_env_vars())
+    except (ImportError, AttributeError):
+        pass
+    plain = (str, int, float, bool, type(None))
+    overrides = {(name, knob): value for name, group in groups.items() if name not in _OWN_GROUPS
+                 for knob, value in vars(group).items()
+                 if knob in group.knob_descriptors and isinstance(value, plain) and (name, knob) not in _OWN_KNOBS}
+    backend_hash = None
+    if target is not None:
+        try:
+            from triton.compiler.compiler import make_backend
+            backend_hash = make_backend(target).hash()
+        except Exception as e:    # a worker then hashes its own backend (a mismatch costs a compile here)
+            log.debug("torchfuse: no backend hash for %s: %s: %s", target, type(e).__name__, e)
+    return env, overrides, backend_hash
 
 
 def _encode(arg: Any) -> Any:
@@ -241,8 +301,10 @@ def compile_job(job: Job) -> None:
     import importlib.util
 
     import triton
-    path, module_name, kernel_name, args, grid, keywords, target, cache_dir = job
+    path, module_name, kernel_name, args, grid, keywords, target, cache_dir, *settings = job
     _use_target(target)
+    if settings and settings[0] is not None:
+        _apply_settings(settings[0], target)
     if cache_dir and hasattr(triton, "knobs"):
         triton.knobs.cache.dir = cache_dir
     module = _modules.get(path)
@@ -259,6 +321,59 @@ def compile_job(job: Job) -> None:
             raise
         binary = kernel.warmup(*_decode(args, real_dtypes=True), grid=grid, **keywords)
     _build_launcher(binary)
+
+
+_applied: set[tuple[str, str]] = set()     # knobs this worker set from a parent's settings
+_last_settings: list = [None]
+
+
+def _apply_settings(settings: Settings, target: Any) -> None:
+    """Take the parent's Triton settings: its values of the variables the knobs read (unset where
+    it has none), the knobs it set in code (those set for an earlier job and not now go back to
+    their defaults), and its backend hash for `target`."""
+    if settings == _last_settings[0]:
+        return
+    _last_settings[0] = settings
+    env, overrides, backend_hash = settings
+    groups = _knob_groups()
+    _modules.clear()      # a kernel keeps its binaries in memory, whatever the settings they had
+    try:       # read again under these settings where the parent sent no hash
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        get_ptxas_version.cache_clear()
+    except (ImportError, AttributeError):
+        pass
+    _use_backend_hash(target, backend_hash)
+    for key in _knob_variables(groups) | set(env):
+        if key in env:
+            os.environ[key] = env[key]
+        else:
+            os.environ.pop(key, None)
+    for name, knob in _applied - set(overrides):
+        groups[name].__dict__.pop(knob, None)
+    for (name, knob), value in overrides.items():
+        if name in groups:
+            setattr(groups[name], knob, value)
+    _applied.clear()
+    _applied.update(overrides)
+
+
+_own_hash: dict[type, Any] = {}
+
+
+def _use_backend_hash(target: Any, backend_hash: str | None) -> None:
+    """Key binaries for `target` by the parent's backend hash (None: this process's own).  The
+    hash is what the parent's compile would key by: its ptxas version as the parent first read
+    it, even where the parent's environment names another ptxas since."""
+    try:
+        from triton.compiler.compiler import make_backend
+        cls = type(make_backend(target))
+    except Exception:       # no backend for the target: the job reports the error itself
+        return
+    own = _own_hash.setdefault(cls, cls.hash)
+    if backend_hash is None:
+        cls.hash = own
+    else:
+        cls.hash = lambda self: backend_hash if self.target == target else own(self)
 
 
 def _build_launcher(binary: Any) -> None:

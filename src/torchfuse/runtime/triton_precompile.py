@@ -143,6 +143,7 @@ def _compile_in_workers(launches: list[tuple], workers: int) -> list[tuple]:
     except Exception as e:      # no target to compile for: the threads compile everything
         log.debug("torchfuse: no compile workers: %s: %s", type(e).__name__, e)
         return launches
+    settings = compile_workers.triton_settings(target)
     jobs, job_launches, left, seen = [], [], [], set()
     for launch in launches:
         kernel, grid, args, constexprs, warps, names = launch
@@ -151,7 +152,7 @@ def _compile_in_workers(launches: list[tuple], workers: int) -> list[tuple]:
             continue
         seen.add(key)
         job = compile_workers.job_for(kernel, grid, args, {**dict(zip(names, constexprs)), "num_warps": warps},
-                                      target, cache_dir)
+                                      target, cache_dir, settings)
         if job is None:
             left.append(launch)
         else:
