@@ -329,11 +329,12 @@ def _sync(device: str) -> None:
 
 
 def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget: float, wait: float,
-            backends: tuple[str, ...], verbose: bool) -> Row:
+            backends: tuple[str, ...], verbose: bool, compile_only: bool = False) -> Row:
     """One row.  Each backend is compiled afresh (Dynamo reset first) and called once: cold compile
     time and accuracy.  On CUDA it is then timed and dropped; on CPU all are kept and timed together
     at the end (Inductor then recompiles once, from its warm caches, in the timing's warm-up: the
-    reset before torchfuse's compile dropped its Dynamo cache entry)."""
+    reset before torchfuse's compile dropped its Dynamo cache entry).  `compile_only`: the first
+    call alone (no accuracy check, no timing)."""
     row = Row(zm.name, zm.family, mode, dtype, size, device)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     train = mode == "train"
@@ -341,7 +342,7 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
     if train:
         model.train()
     judge = Judge(row, model, inputs, zm.loss, [n for n, p in model.named_parameters() if p.requires_grad])
-    if dtype == "bf16":
+    if dtype == "bf16" and not compile_only:
         judge.fp64()   # now, so that it is not counted in eager's peak memory
     timed: dict[str, Callable] = {}
     with torch.set_grad_enabled(train):
@@ -380,6 +381,9 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                     for w in caught:
                         if "torchfuse" in str(w.message):
                             print(f"  warning: {str(w.message).splitlines()[0][:300]}", flush=True)
+                if compile_only:
+                    out = fn = first = fwd = m = None
+                    continue
                 peak, held = cuda_memory(device)
                 judge(backend, out)
                 judged = cuda_memory(device)[1] - held   # an fp64 reference: not this backend's memory
@@ -494,6 +498,8 @@ def summary(rows: list[Row]) -> str:
     errors = [f"{r.name} ({b}: {r.results[b].error})" for r in rows for b in BACKENDS if r.results[b].error]
     eager_runs = [f"{r.name} ({r.tf_counters['eager_fallbacks']})" for r in rows if r.tf_counters.get("eager_fallbacks")]
     worst = min(vs_ind, default=None)
+    slow_compiles = [f"{r.name} {r.mode}-{r.dtype} ({r.ratio('torchfuse', 'inductor', 'compile_s'):.2f}x)" for r in rows
+                     if (r.ratio("torchfuse", "inductor", "compile_s") or 0) > 0.6]
 
     def listing(items: list[str]) -> str:
         return ", ".join(items) if items else "none"
@@ -513,6 +519,7 @@ def summary(rows: list[Row]) -> str:
         f"- torchfuse graphs that ran eagerly: {listing(eager_runs)}",
         f"- geomean cold-compile ratio torchfuse / Inductor (< 1: torchfuse compiles faster): "
         f"{_num(geomean(compile_ratio), '.3f')} over {len(compile_ratio)} rows",
+        f"- cold compile above 0.6x Inductor's: {listing(slow_compiles)}",
     ]
     return "\n".join(lines)
 
@@ -566,6 +573,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write every number to this file")
     p.add_argument("--no-inductor", action="store_true", help="skip Inductor")
     p.add_argument("--list", action="store_true", help="print the selected rows and exit")
+    p.add_argument("--compile-only", action="store_true",
+                   help="each compiler's cold first call alone, in the zoo's process and order (no eager, no accuracy "
+                        "check, no timing)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of backend failures")
     a = p.parse_args(argv)
     size = a.size or ("gpu" if a.device == "cuda" else "cpu")
@@ -584,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         # through train-mode BatchNorm), which would hide real errors under the tolerance.
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
-    backends = tuple(b for b in BACKENDS if not (a.no_inductor and b == "inductor"))
+    backends = tuple(b for b in BACKENDS if not (a.no_inductor and b == "inductor") and not (a.compile_only and b == "eager"))
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else machine_line()
     print(f"zoo: {len(selected)} rows, size {size!r} on {device_name}; torch {torch.__version__}")
     print(f"fresh caches under {_CACHE_ROOT}\n")
@@ -595,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     for zm, mode, dt in selected:
         print(f"== {zm.name} {mode}-{dt}", flush=True)
         try:
-            row = run_row(zm, mode, dt, size, a.device, a.budget, a.wait, backends, a.verbose)
+            row = run_row(zm, mode, dt, size, a.device, a.budget, a.wait, backends, a.verbose, a.compile_only)
         except Exception as e:   # building the model or its reference failed
             row = Row(zm.name, zm.family, mode, dt, size, a.device)
             row.notes.append(f"setup failed: {_short(e)}")

@@ -221,16 +221,32 @@ def _build(terms: Mapping[tuple[Node, ...], int]) -> Node:
     return parts[0] if len(parts) == 1 else Node("add", tuple(parts), None, INDEX)
 
 
+# Sums and products already simplified, by operands: a model's layers build the same index
+# expressions again and again, and simplifying one (`_merge_divmod`) costs far more than a lookup
+# (half of a 22-layer Llama training graph's lowering).
+_SIMPLIFIED: dict[tuple[str, Node, Node], Node] = {}
+
+
+def _simplified(op: str, a: Node, b: Node) -> Node:
+    key = (op, a, b)
+    out = _SIMPLIFIED.get(key)
+    if out is None:
+        if len(_SIMPLIFIED) >= _TERMS_LIMIT:
+            _SIMPLIFIED.clear()
+        out = _SIMPLIFIED[key] = _merge_divmod(_build(_terms(Node(op, (a, b), None, INDEX))))
+    return out
+
+
 def add(a: "Node | int", b: "Node | int") -> Node:
     a, b = as_node(a), as_node(b)
     if a.dtype != INDEX or b.dtype != INDEX:
         raise TypeError("index add on non-index nodes")
-    return _merge_divmod(_build(_terms(Node("add", (a, b), None, INDEX))))
+    return _simplified("add", a, b)
 
 
 def mul(a: "Node | int", b: "Node | int") -> Node:
     a, b = as_node(a), as_node(b)
-    return _merge_divmod(_build(_terms(Node("mul", (a, b), None, INDEX))))
+    return _simplified("mul", a, b)
 
 
 def _factor_out(terms: dict[tuple[Node, ...], int], d: Node) -> tuple[dict, dict] | None:
