@@ -18,6 +18,7 @@ of both shapes and every member's index vars are rewritten into its loop vars (t
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -210,10 +211,12 @@ def _defines(item: Kernel | FallbackCall | AliasView) -> set[str]:
     return {item.name}
 
 
-def _unit_vars(index: Node) -> set[str]:
-    """The loop vars that move `index` by one element."""
+@functools.lru_cache(maxsize=1 << 14)
+def _unit_vars(index: Node) -> frozenset[str]:
+    """The loop vars that move `index` by one element (remembered: every candidate kernel asks
+    again about the same members)."""
     from .loops import step_of
-    return {n.arg for n in walk(index) if n.op == "var" and abs(step_of(index, n.arg)) == 1}
+    return frozenset(n.arg for n in walk(index) if n.op == "var" and abs(step_of(index, n.arg)) == 1)
 
 
 def _contiguous_along(member: Member) -> set[str]:
