@@ -8,6 +8,8 @@ text, so a kernel body reads like a program.
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -561,8 +563,11 @@ def free_syms(n: Node) -> set[str]:
     return {x.arg for x in walk(n) if x.op == "sym"}
 
 
-def loads(n: Node) -> list[Node]:
-    return [x for x in walk(n) if x.op == "load"]
+@functools.lru_cache(maxsize=1 << 15)
+def loads(n: Node) -> tuple[Node, ...]:
+    """The loads in `n`, operands before users (remembered: the scheduler asks about each
+    member's body for every kernel it might join)."""
+    return tuple(x for x in walk(n) if x.op == "load")
 
 
 def cost(n: Node) -> int:

@@ -42,10 +42,6 @@ def _pure(item: Any) -> bool:
     return False
 
 
-def _movable(item: Any) -> bool:
-    return isinstance(item, (Kernel, FallbackCall)) and _pure(item)
-
-
 def _defines(item: Any) -> set[str]:
     if isinstance(item, Kernel):
         return {m.buffer.name for m in item.members}
@@ -66,12 +62,13 @@ def sink_steps(items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
     order = list(items)
     refs = {id(it): set(_step_refs(it, kernel_args)) for it in order}
     defs = {id(it): _defines(it) for it in order}
+    pure = {id(it): _pure(it) for it in order}    # asked up to `horizon` times per step
     moved = 0
     # Steps are visited last to first and only move later, so a step's position when visited
     # is its original one.  The scan looks `horizon` steps ahead (compile time stays linear).
     for p in range(len(items) - 1, -1, -1):
         item = items[p]
-        if not _movable(item):
+        if not (isinstance(item, (Kernel, FallbackCall)) and pure[id(item)]):     # an alias view stays
             continue
         outs, ins = defs[id(item)], refs[id(item)] - defs[id(item)]
         out_bytes = [nbytes(o) for o in outs]
@@ -85,7 +82,7 @@ def sink_steps(items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
         last_reader = {b: p for b in ins}
         for q in range(p + 1, limit + 1):
             other = order[q]
-            if refs[id(other)] & outs or not _pure(other):
+            if refs[id(other)] & outs or not pure[id(other)]:
                 limit = q - 1
                 break
             for b in refs[id(other)] & ins:
