@@ -166,9 +166,11 @@ def test_a_job_applies_the_parents_knobs_and_drops_them_after(setup, monkeypatch
     pool.start(target)
     assert _errors(pool.run([job("scale")] * 2)) == [None, None]       # both workers, before the change
     assert len(_entries(cache)) == 1
-    monkeypatch.setitem(triton.knobs.nvidia.__dict__, "mock_ptx_version", "a ptxas of another release")
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    other = get_ptxas_version(90).replace("V", "V9", 1)     # another ptxas release, as far as the key can tell
+    monkeypatch.setitem(triton.knobs.nvidia.__dict__, "mock_ptx_version", other)
     settings = compile_workers.triton_settings()       # no target: the worker hashes its backend itself
-    assert settings[1][("nvidia", "mock_ptx_version")] == "a ptxas of another release"
+    assert settings[1][("nvidia", "mock_ptx_version")] == other
     assert _errors(pool.run([job("scale") + (settings,)] * 2)) == [None, None]
     assert len(_entries(cache)) == 2                   # another ptxas: another binary
     assert _errors(pool.run([job("scale") + (({}, {}, None),)] * 2)) == [None, None]
