@@ -9,7 +9,8 @@ function, so imports and CUDA start-up are not counted.  torchfuse's own stages 
 `torchfuse.counters.seconds` ("backend" is AOTAutograd plus every torchfuse stage, or the graph
 cache's load; the rest of a first call is Dynamo's trace and the first run).  The "dynamo"
 backend is Dynamo's trace alone (backend="eager"): no warm start with Dynamo in the path can be
-faster.  The "saved" ("inductor-saved") backend is torchfuse (Inductor) through `aot_compile`:
+faster; the "aot" backend is Dynamo and AOTAutograd (backend="aot_eager"), the floor of a
+training step's cold start (`--cold-only` skips the warm process).  The "saved" ("inductor-saved") backend is torchfuse (Inductor) through `aot_compile`:
 the first process saves the program, the second loads it (no Dynamo trace) and makes its first
 call; the program keeps only guards that survive a restart (torch.compiler's
 `keep_portable_guards_unsafe`: HuggingFace models carry identity guards that cannot be saved).  The table is printed last.
