@@ -382,7 +382,7 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                         if "torchfuse" in str(w.message):
                             print(f"  warning: {str(w.message).splitlines()[0][:300]}", flush=True)
                 if compile_only:
-                    out = fn = first = fwd = m = None
+                    del out
                     continue
                 peak, held = cuda_memory(device)
                 judge(backend, out)
@@ -399,7 +399,8 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                 print(f"  !! {backend} failed on {row.name}: {res.error}", flush=True)
                 if verbose:
                     traceback.print_exc()
-            fn = first = fwd = m = None   # this backend's model copy and code go (CPU: kept in `timed`)
+            finally:
+                fn = first = fwd = m = None   # this backend's model copy and code go (CPU: kept in `timed`)
         if timed:
             time_on_cpu(row, timed, budget, wait, verbose)
     del model, inputs, judge, timed

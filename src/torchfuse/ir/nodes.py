@@ -9,7 +9,6 @@ text, so a kernel body reads like a program.
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Callable, Iterable, Mapping
 
 import torch

@@ -323,15 +323,15 @@ def compile_job(job: Job) -> None:
     _build_launcher(binary)
 
 
-_applied: set[tuple[str, str]] = set()     # knobs this worker set from a parent's settings
-_last_settings: list = [None]
+_last_settings: list = [None]     # the settings the worker took last (their knobs are set here)
 
 
 def _apply_settings(settings: Settings, target: Any) -> None:
     """Take the parent's Triton settings: its values of the variables the knobs read (unset where
     it has none), the knobs it set in code (those set for an earlier job and not now go back to
     their defaults), and its backend hash for `target`."""
-    if settings == _last_settings[0]:
+    previous = _last_settings[0]
+    if settings == previous:
         return
     _last_settings[0] = settings
     env, overrides, backend_hash = settings
@@ -348,13 +348,11 @@ def _apply_settings(settings: Settings, target: Any) -> None:
             os.environ[key] = env[key]
         else:
             os.environ.pop(key, None)
-    for name, knob in _applied - set(overrides):
+    for name, knob in set(previous[1] if previous else ()) - set(overrides):
         groups[name].__dict__.pop(knob, None)
     for (name, knob), value in overrides.items():
         if name in groups:
             setattr(groups[name], knob, value)
-    _applied.clear()
-    _applied.update(overrides)
 
 
 _own_hash: dict[type, Any] = {}
