@@ -310,6 +310,9 @@ class TrainStep:
         return loss.detach()
 
 
+MiB = 2 ** 20
+
+
 def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -384,14 +387,25 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                 if compile_only:
                     del out
                     continue
-                peak, held = cuda_memory(device)
+                peak, held_now = cuda_memory(device)
+                # Garbage of the first call waiting for the collector is not what the backend
+                # holds; collected later, inside the judge, it would make the judge's share
+                # negative and inflate the timing's peak by its size.
+                free_memory()
+                held = cuda_memory(device)[1]
                 judge(backend, out)
+                free_memory()
                 judged = cuda_memory(device)[1] - held   # an fp64 reference: not this backend's memory
                 del out
                 if device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                     res.ms = cuda_bench(fn, reps=10, inner=3)
-                    res.peak_mib = (max(peak, cuda_memory(device)[0] - judged) - base) / 2 ** 20
+                    timed_peak = cuda_memory(device)[0]
+                    res.peak_mib = (max(peak, timed_peak - judged) - base) / 2 ** 20
+                    print(f"  {backend} memory MiB above the row's start: first call peak {(peak - base) / MiB:.0f}, "
+                          f"held after it {(held_now - base) / MiB:.0f} ({(held - base) / MiB:.0f} once collected), "
+                          f"judge keeps {judged / MiB:.0f}, timed steps peak {(timed_peak - judged - base) / MiB:.0f}",
+                          flush=True)
                 else:
                     timed[backend] = fn
             except Exception as e:   # keep the row going; report the failure
