@@ -196,3 +196,38 @@ def test_gather_larger_than_its_table_is_not_held():
         e = torchfuse.explain(fn, small)
         torch.testing.assert_close(e.output, fn(small))
     assert e.frozen and f"({1536 * 64} elements)" in e.frozen[0], e.frozen
+
+
+class _Rotary(nn.Module):
+    """A decoder's rotary embedding as transformers writes it: cos/sin tables built per call from
+    a [head_dim / 2] frequency buffer, in steps (outer product, cat, cos) none of which more than
+    doubles its own input."""
+
+    def __init__(self, head_dim: int, weight_rows: int):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        self.proj = nn.Linear(head_dim, head_dim)
+        self.scale = nn.Parameter(torch.rand(weight_rows, head_dim) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        q = self.proj(x)
+        half = q.shape[-1] // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return (q * emb.cos() + rotated * emb.sin()) * (self.scale * 2)
+
+
+def test_a_table_much_larger_than_its_sources_is_not_held():
+    """A rotary table ([positions, head_dim] = 64K elements from a 32-element buffer) is measured
+    against the buffer it comes from, not against the step before it: it is not held between
+    calls (held, it raised a decoder's peak above Inductor's, which frees it before the logits),
+    while a parameter-only value of its sources' size (`scale * 2`) still is."""
+    torch.manual_seed(0)
+    m = _Rotary(64, 1024).eval()
+    x = torch.randn(2, 1024, 64)
+    with torch.no_grad():
+        e = torchfuse.explain(m, x)
+        torch.testing.assert_close(e.output, m(x), rtol=1e-4, atol=1e-4)
+    assert len(e.frozen) == 1 and f"({1024 * 64} elements)" in e.frozen[0] and "1 value(s)" in e.frozen[0], e.frozen

@@ -17,11 +17,15 @@ as constants, as Inductor's freezing does.
 What is hoisted: the *frontier* of the parameter-only region, i.e. the values some per-call
 node reads, excluding
   * views of a parameter (free to recompute; a hoisted copy would only cost memory),
-  * broadcasts: a value EXPANSION times larger than the storage of the tensors it reads (a
-    Swin window attention's position bias added to its shift mask, [windows, heads, 49, 49]
-    from a [heads, 49, 49] table: 127 MiB held between calls at batch 32), or a gather larger
-    than it; its inputs are hoisted instead and the value is recomputed inside the kernel that
-    reads it (so is a T5 bias gathered from its bucket table into [heads, q, k]),
+  * broadcasts: a value EXPANSION times larger than the parameters and buffers it is computed
+    from (a Swin window attention's position bias added to its shift mask, [windows, heads, 49,
+    49] from a [heads, 49, 49] table: 127 MiB held between calls at batch 32; a rotary cos/sin
+    table, [positions, head_dim] from a [head_dim / 2] frequency buffer), or a gather larger
+    than what it reads; its inputs are hoisted instead and the value is recomputed where it is
+    read (so is a T5 bias gathered from its bucket table into [heads, q, k]).  Measured against
+    the sources, not the step's own inputs: the rotary table grows in steps (outer product,
+    cat, cos), none of them more than 2x, and held it raised Llama's peak above Inductor's,
+    whose peak at the logits no longer holds it,
   * values the graph returns or writes (the caller would see or corrupt the cached tensor),
   * anything random, mutating, with symbolic sizes, or not a plain strided tensor.
 """
@@ -52,7 +56,7 @@ class HoistedValues:
 
 
 EXPANSION = 2
-_SMALL = 1 << 16      # elements: a value this small is held whatever it is computed from
+_SMALL = 1 << 12      # elements: a value this small is held whatever it is computed from (16 KiB fp32)
 # A gather only selects: its reader can gather in its own kernel for the same reads a held copy
 # would cost, so a gathered value larger than what it reads is not held (OPT's learned position
 # embedding gathered for every sequence of the batch: 6 MiB held, 2.0x its table, at batch 8).
@@ -67,15 +71,23 @@ def _storage_numel(val: torch.Tensor) -> int:
         return val.numel()
 
 
-def _broadcasts(node: fx.Node) -> bool:
-    """Whether `node`'s value is much larger than everything it reads: cheap to recompute where
-    it is read, costly to hold."""
+def _broadcasts(node: fx.Node, source_numel: int) -> bool:
+    """Whether `node`'s value is much larger than the parameters and buffers it is computed from
+    (`source_numel` elements), or, for a gather, than what it reads: cheap to recompute where it
+    is read, costly to hold."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.numel() < _SMALL:
         return False
-    reads = [a.meta.get("val") for a in flat_nodes((node.args, node.kwargs))]
-    read = sum(_storage_numel(v) for v in reads if isinstance(v, torch.Tensor))
-    return val.numel() > (1 if node.target in _GATHERS else EXPANSION) * read
+    if node.target in _GATHERS:
+        reads = [a.meta.get("val") for a in flat_nodes((node.args, node.kwargs))]
+        return val.numel() > sum(_storage_numel(v) for v in reads if isinstance(v, torch.Tensor))
+    return val.numel() > EXPANSION * source_numel
+
+
+def _source_numel(gm: fx.GraphModule, node: fx.Node) -> int:
+    """Elements of a static input's or a graph attribute's storage."""
+    val = getattr(gm, str(node.target), None) if node.op == "get_attr" else node.meta.get("val")
+    return _storage_numel(val) if isinstance(val, torch.Tensor) else 0
 
 
 def _is_view_of_source(node: fx.Node, sources: set[fx.Node]) -> bool:
@@ -101,13 +113,19 @@ def hoist_static(gm: fx.GraphModule, static_indices: set[int]) -> HoistedValues 
     # from constructors alone, a causal mask, say, stays a lazy index expression in the kernel)
     region: set[fx.Node] = set(sources)
     reads_static: set[fx.Node] = set(sources)
+    # per region node, the parameters, buffers and attributes it is computed from
+    origins: dict[fx.Node, frozenset[fx.Node]] = {p: frozenset((p,)) for p in sources}
     for node in graph.nodes:
         if node.op == "get_attr":
             region.add(node)
             reads_static.add(node)
-        elif is_foldable(node) and all(a in region for a in flat_nodes((node.args, node.kwargs))) \
-                and not _broadcasts(node):
+            origins[node] = frozenset((node,))
+        elif is_foldable(node) and all(a in region for a in flat_nodes((node.args, node.kwargs))):
+            origin = frozenset().union(*(origins[a] for a in flat_nodes((node.args, node.kwargs))))
+            if _broadcasts(node, sum(_source_numel(gm, o) for o in origin)):
+                continue
             region.add(node)
+            origins[node] = origin
             if any(a in reads_static for a in flat_nodes((node.args, node.kwargs))):
                 reads_static.add(node)
     outs = output_values(graph)
