@@ -331,6 +331,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _back_to_back_ms(fn: Callable, calls: int = 20) -> float:
+    """Wall-clock milliseconds per call over `calls` calls with one synchronize at the end: a
+    host-bound row's host time, next to the CUDA-event timing of a few calls per sample."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e3
+
+
 def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget: float, wait: float,
             backends: tuple[str, ...], verbose: bool, compile_only: bool = False) -> Row:
     """One row.  Each backend is compiled afresh (Dynamo reset first) and called once: cold compile
@@ -402,6 +413,8 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                     res.ms = cuda_bench(fn, reps=10, inner=3)
                     timed_peak = cuda_memory(device)[0]
                     res.peak_mib = (max(peak, timed_peak - judged) - base) / 2 ** 20
+                    print(f"  {backend} ms per call: {res.ms:.3f} by CUDA events, {_back_to_back_ms(fn):.3f} back to back "
+                          "(wall clock over 20 calls)", flush=True)
                     print(f"  {backend} memory MiB above the row's start: first call peak {(peak - base) / MiB:.0f}, "
                           f"held after it {(held_now - base) / MiB:.0f} ({(held - base) / MiB:.0f} once collected), "
                           f"judge keeps {judged / MiB:.0f}, timed steps peak {(timed_peak - judged - base) / MiB:.0f}",
