@@ -342,6 +342,31 @@ def _back_to_back_ms(fn: Callable, calls: int = 20) -> float:
     return (time.perf_counter() - t) / calls * 1e3
 
 
+# A CUDA inference row this fast (ms per call) is timed again with the backends taking turns:
+# its time is mostly the host's, and the lent machines' hosts have slow phases seconds long
+# (opt bf16 inference: Inductor 5.1 then 3.3 ms per call in one process, torchfuse 4.8 then
+# 2.6), which a timing of one backend after another hands to whichever was being timed.
+HOST_BOUND_MS = 20.0
+
+
+def time_interleaved_cuda(fns: dict[str, Callable], budget_s: float) -> dict[str, float]:
+    """Median ms per call of each fn: blocks of ~20 ms of back-to-back calls, a synchronize
+    before and after each, the backends taking turns and rotating who goes first."""
+    est = {}
+    for name, fn in fns.items():
+        for _ in range(2):      # (Inductor recompiles here, from its caches: see run_row)
+            fn()
+        est[name] = max(_back_to_back_ms(fn, 1) / 1e3, 1e-6)
+    inner = {n: max(1, int(0.02 / t)) for n, t in est.items()}
+    rounds = int(min(200, max(5, budget_s / sum(inner[n] * est[n] for n in fns))))
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            samples[name].append(_back_to_back_ms(fns[name], inner[name]))
+    return {n: sorted(s)[len(s) // 2] for n, s in samples.items()}
+
+
 def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget: float, wait: float,
             backends: tuple[str, ...], verbose: bool, compile_only: bool = False) -> Row:
     """One row.  Each backend is compiled afresh (Dynamo reset first) and called once: cold compile
@@ -359,6 +384,7 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
     if dtype == "bf16" and not compile_only:
         judge.fp64()   # now, so that it is not counted in eager's peak memory
     timed: dict[str, Callable] = {}
+    host_bound: dict[str, Callable] = {}   # CUDA inference rows under HOST_BOUND_MS, kept to time again
     with torch.set_grad_enabled(train):
         for backend in backends:
             res = row.results[backend]
@@ -413,8 +439,10 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                     res.ms = cuda_bench(fn, reps=10, inner=3)
                     timed_peak = cuda_memory(device)[0]
                     res.peak_mib = (max(peak, timed_peak - judged) - base) / 2 ** 20
-                    print(f"  {backend} ms per call: {res.ms:.3f} by CUDA events, {_back_to_back_ms(fn):.3f} back to back "
-                          "(wall clock over 20 calls)", flush=True)
+                    print(f"  {backend} ms per call: {res.ms:.3f} by CUDA events, "
+                          f"{_back_to_back_ms(fn):.3f} back to back (wall clock over 20 calls)", flush=True)
+                    if not train and res.ms < HOST_BOUND_MS:
+                        host_bound[backend] = fn
                     print(f"  {backend} memory MiB above the row's start: first call peak {(peak - base) / MiB:.0f}, "
                           f"held after it {(held_now - base) / MiB:.0f} ({(held - base) / MiB:.0f} once collected), "
                           f"judge keeps {judged / MiB:.0f}, timed steps peak {(timed_peak - judged - base) / MiB:.0f}",
@@ -427,10 +455,26 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                 if verbose:
                     traceback.print_exc()
             finally:
-                fn = first = fwd = m = None   # this backend's model copy and code go (CPU: kept in `timed`)
+                # this backend's model copy and code go (kept in `timed` on CPU, and in `host_bound`
+                # for a fast CUDA inference row)
+                fn = first = fwd = m = None
         if timed:
             time_on_cpu(row, timed, budget, wait, verbose)
-    del model, inputs, judge, timed
+        timed_alone = [b for b in backends if row.results[b].ms is not None]
+        if len(host_bound) > 1 and set(host_bound) == set(timed_alone):
+            # every backend is host-bound: timed again, taking turns (the reset before each
+            # compile dropped Inductor's Dynamo entry: it recompiles from its caches first)
+            try:
+                times = time_interleaved_cuda(host_bound, budget)
+            except Exception as e:
+                print(f"  !! interleaved timing failed on {row.name}: {_short(e)}", flush=True)
+            else:
+                print("  taking turns, ms per call: " + ", ".join(
+                    f"{b} {row.results[b].ms:.3f} -> {t:.3f}" for b, t in times.items()), flush=True)
+                for b, t in times.items():
+                    row.results[b].ms = t
+                row.notes.append("host-bound: timed taking turns")
+    del model, inputs, judge, timed, host_bound
     torch._dynamo.reset()
     free_memory()
     return row
