@@ -23,12 +23,15 @@ torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each co
     RMSE(compiled, fp64) <= 2 * RMSE(eager, fp64) + 1e-4 for every tensor compared, or (fp32,
     an ill-conditioned row) within 2x eager's own RMSE on inputs nudged by 1e-6 noise;
   * time per call: on CUDA, CUDA events around back-to-back calls, median of the samples
-    (gpu_bench.bench), one backend after the other, TF32 off; on CPU, the three interleaved in
+    (gpu_bench.bench), one backend after the other, TF32 off, and for an inference row whose
+    backends all run under HOST_BOUND_MS again with the backends taking turns (a host-bound
+    row's time is the host's, which has slow phases seconds long); on CPU, the three interleaved in
     blocks within --budget seconds (cpu_bench's _time_interleaved, through _time_quietly: --wait
     waits for other processes to go quiet), so that load from other processes hits all three
     alike, and the table notes how many cores other processes used meanwhile;
   * peak CUDA memory above what was allocated before the backend ran (inference: activations
-    and workspace; training: also the model copy, its gradients and momentum);
+    and workspace; training: also the model copy, its gradients and momentum), the first call's
+    or the timed calls', less what the accuracy check keeps (garbage collected before and after it);
   * torchfuse's kernels generated and ATen fallback ops in the row's graphs (torchfuse.counters).
 
 A backend that fails is reported with a short reason and the row carries on.  The markdown table
