@@ -96,7 +96,18 @@ class Node:
 # constructors
 # --------------------------------------------------------------------------------------------
 
+_INDEX_CONSTS: dict[int, Node] = {}   # index constants, made once: index arithmetic makes ~100K a graph
+_INDEX_CONSTS_LIMIT = 1 << 16
+
+
 def const(value: Any, dtype: torch.dtype = INDEX) -> Node:
+    if dtype is INDEX and type(value) is int:
+        node = _INDEX_CONSTS.get(value)
+        if node is None:
+            node = Node("const", (), value, INDEX)
+            if len(_INDEX_CONSTS) < _INDEX_CONSTS_LIMIT:
+                _INDEX_CONSTS[value] = node
+        return node
     if dtype == torch.bool:
         value = bool(value)
     elif dtype.is_floating_point:
