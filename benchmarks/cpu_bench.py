@@ -201,14 +201,19 @@ def _wait_for_quiet(max_wait_s: float, threshold: float = 0.15) -> float | None:
         _WAIT_BUDGET_S[0] -= time.perf_counter() - t_start
 
 
-def _time_interleaved(fns: dict[str, Callable], args: tuple, budget_s: float) -> dict[str, float]:
-    """Median seconds per call of each fn, measured in interleaved blocks after warm-up."""
+def _time_interleaved(fns: dict[str, Callable], args: tuple, budget_s: float,
+                      sync: Callable[[], Any] = lambda: None) -> dict[str, float]:
+    """Median seconds per call of each fn, measured in interleaved blocks after warm-up; `sync`
+    runs before and after each block (torch.cuda.synchronize: a block's time is then its calls'
+    back-to-back throughput on the device, not the host's enqueue time)."""
     est = {}
     for name, fn in fns.items():
         for _ in range(2):
             fn(*args)
+        sync()
         t0 = time.perf_counter()
         fn(*args)
+        sync()
         est[name] = max(time.perf_counter() - t0, 1e-7)
     # Each block lasts ~20 ms (at least one call); as many rounds as fit the budget, 5..200.
     inner = {n: max(1, int(0.02 / t)) for n, t in est.items()}
@@ -223,9 +228,11 @@ def _time_interleaved(fns: dict[str, Callable], args: tuple, budget_s: float) ->
             order = names[r % len(names):] + names[:r % len(names)]  # rotate who goes first
             for n in order:
                 fn, k = fns[n], inner[n]
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(k):
                     fn(*args)
+                sync()
                 samples[n].append((time.perf_counter() - t0) / k)
     finally:
         if gc_was_enabled:

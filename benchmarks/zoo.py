@@ -352,24 +352,6 @@ def _back_to_back_ms(fn: Callable, calls: int = 20) -> float:
 HOST_BOUND_MS = 20.0
 
 
-def time_interleaved_cuda(fns: dict[str, Callable], budget_s: float) -> dict[str, float]:
-    """Median ms per call of each fn: blocks of ~20 ms of back-to-back calls, a synchronize
-    before and after each, the backends taking turns and rotating who goes first."""
-    est = {}
-    for name, fn in fns.items():
-        for _ in range(2):      # (Inductor recompiles here, from its caches: see run_row)
-            fn()
-        est[name] = max(_back_to_back_ms(fn, 1) / 1e3, 1e-6)
-    inner = {n: max(1, int(0.02 / t)) for n, t in est.items()}
-    rounds = int(min(200, max(5, budget_s / sum(inner[n] * est[n] for n in fns))))
-    samples: dict[str, list[float]] = {n: [] for n in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(_back_to_back_ms(fns[name], inner[name]))
-    return {n: sorted(s)[len(s) // 2] for n, s in samples.items()}
-
-
 def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget: float, wait: float,
             backends: tuple[str, ...], verbose: bool, compile_only: bool = False) -> Row:
     """One row.  Each backend is compiled afresh (Dynamo reset first) and called once: cold compile
@@ -441,7 +423,7 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                     torch.cuda.reset_peak_memory_stats()
                     res.ms = cuda_bench(fn, reps=10, inner=3)
                     timed_peak = cuda_memory(device)[0]
-                    res.peak_mib = (max(peak, timed_peak - judged) - base) / 2 ** 20
+                    res.peak_mib = (max(peak, timed_peak - judged) - base) / MiB
                     print(f"  {backend} ms per call: {res.ms:.3f} by CUDA events, "
                           f"{_back_to_back_ms(fn):.3f} back to back (wall clock over 20 calls)", flush=True)
                     if not train and res.ms < HOST_BOUND_MS:
@@ -466,9 +448,10 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
         timed_alone = [b for b in backends if row.results[b].ms is not None]
         if len(host_bound) > 1 and set(host_bound) == set(timed_alone):
             # every backend is host-bound: timed again, taking turns (the reset before each
-            # compile dropped Inductor's Dynamo entry: it recompiles from its caches first)
+            # compile dropped Inductor's Dynamo entry: it recompiles from its caches in the warm-up)
             try:
-                times = time_interleaved_cuda(host_bound, budget)
+                seconds = _time_interleaved(host_bound, (), budget, torch.cuda.synchronize)
+                times = {b: t * 1e3 for b, t in seconds.items()}
             except Exception as e:
                 print(f"  !! interleaved timing failed on {row.name}: {_short(e)}", flush=True)
             else:
@@ -669,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         # through train-mode BatchNorm), which would hide real errors under the tolerance.
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
-    backends = tuple(b for b in BACKENDS if not (a.no_inductor and b == "inductor") and not (a.compile_only and b == "eager"))
+    backends = tuple(b for b in BACKENDS
+                     if not (a.no_inductor and b == "inductor") and not (a.compile_only and b == "eager"))
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else machine_line()
     print(f"zoo: {len(selected)} rows, size {size!r} on {device_name}; torch {torch.__version__}")
     print(f"fresh caches under {_CACHE_ROOT}\n")
