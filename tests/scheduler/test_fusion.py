@@ -366,27 +366,32 @@ def test_transposed_gradient_stays_out_of_the_column_sums_it_shares_an_input_wit
     assert len(sums.writes) == 2, sums
 
 
+@pytest.mark.parametrize("stored", [False, True])
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hw", [(6, 6), (5, 7)])
-def test_norm_over_a_permuted_view_is_one_kernel(tf, dtype, hw, backend):
+def test_norm_over_a_permuted_view_is_one_kernel(tf, dtype, hw, backend, stored):
     """ConvNeXt's LayerNorm2d after a residual add: permute a channels-last [N, C, H, W] map to
     [N, H, W, C], normalize over C, permute back.  The normalized output's loops are [N, C, H, W],
     the statistics' rows x reduced [N, H, W] x [C]: a permutation, not a reshape, of them.  It
     was a kernel of its own that read the rows back (and, at ConvNeXt's sizes, an fp32 copy of
     the sum stored across the rows for it: 0.44 ms per call where Inductor's one kernel takes
     0.05); it is placed in the statistics' order, one kernel.  With H == W the reads of the
-    statistics decide which of the two equal dims goes where."""
+    statistics decide which of the two equal dims goes where.  `stored`: the permuted sum is
+    stored for its three readers (as on CUDA, where the unfused bias add makes it costlier):
+    in its own node's layout, along C.  Stored channels-last, because its inputs are (the
+    matmul output's [N*H*W, C] does not count), its dims put H at stride 1, the kernel read
+    it across memory, and the normalization could not join it: two kernels."""
     h, w = hw
     x = tf.rand((3, 24, h, w), dtype).to(memory_format=torch.channels_last)
-    y = tf.rand((3, h, w, 24), dtype)
+    y = tf.rand((3 * h * w, 24), dtype)        # a linear layer's output
     weight, bias = tf.rand((24,), dtype), tf.rand((24,), dtype)
 
     def fn(x, y, weight, bias):
-        s = x + (y * 0.5).permute(0, 3, 1, 2)
+        s = x + (y * 0.5).view(3, h, w, 24).permute(0, 3, 1, 2)
         return F.layer_norm(s.permute(0, 2, 3, 1), (24,), weight, bias, eps=1e-6).permute(0, 3, 1, 2)
 
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    e = tf.check(fn, x, y, weight, bias, kernels=1, check_stride=True, atol=tol, rtol=tol,
-                 options={"cpu_backend": backend})
+    options = {"cpu_backend": backend, **({"inline_max_cost": 0} if stored else {})}
+    e = tf.check(fn, x, y, weight, bias, kernels=1, check_stride=True, atol=tol, rtol=tol, options=options)
     assert not e.refused_fusions, e.refused_fusions
