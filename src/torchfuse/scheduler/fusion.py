@@ -22,6 +22,7 @@ import functools
 import itertools
 import logging
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from ..config import Config
 from ..ir.buffers import AliasView, BufferRef, ComputedBuffer, FallbackCall, LoweredGraph
@@ -340,11 +341,15 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
 
 def _try_join(kernel: Kernel, step: ComputedBuffer) -> tuple[Kernel | None, str]:
     """`kernel` with `step` fused in (a new Kernel), or None and the reason it cannot be."""
-    fit = _role(kernel, step)
-    fits = [] if isinstance(fit, str) else [fit]
-    reason = fit if isinstance(fit, str) else ""
-    # a reshape placement first; where it fails, the loops in another order
-    for fit in itertools.chain(fits, _permuted_fits(kernel, step)):
+    def placements() -> Iterator[_Fit]:
+        # a reshape placement first; where it fails, the loops in another order
+        if not isinstance(first, str):
+            yield first
+        yield from _permuted_fits(kernel, step)
+
+    first = _role(kernel, step)
+    reason = first if isinstance(first, str) else ""
+    for fit in placements():
         candidate, member = _place(kernel, step, fit)
         refused = _reads_ok(candidate, member) or _keeps_contiguity(candidate, member)
         if not refused and fit.write_along and not _unit_vars(member.store) & fit.write_along:
