@@ -14,7 +14,9 @@ loop, the same inner point), so every kernel is a correct parallel loop over `ou
 
 A buffer whose loops are a reshape of the kernel's (attention's [B*H, S, S] scores around a
 softmax over [B, H, S] x [S]) still joins it: the kernel is re-tiled over the common refinement
-of both shapes and every member's index vars are rewritten into its loop vars (tiling.py).
+of both shapes and every member's index vars are rewritten into its loop vars (tiling.py).  An
+element-wise epilogue whose loops are a permutation of a row reduction's (a layer norm over a
+permuted view, permuted back) joins it in the kernel's loop order (`_permuted_fits`).
 """
 from __future__ import annotations
 
