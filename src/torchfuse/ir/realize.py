@@ -104,11 +104,12 @@ def channels_last_inputs(lowering: Any, value: ComputedValue) -> bool:
     stored channels-last, whatever layout its node has: that layout comes from a decomposition
     (an upsample's gathers return NCHW tensors, and only the decomposition's final clone is
     channels-last again), and storing it so makes its kernel a transpose, uncoalesced on one
-    side, for readers that read it back in channels-last order.  Only where the value's dim 1 is
-    the buffers' channels (unit stride in them): a permuted view of a channels-last map
+    side, for readers that read it back in channels-last order.  Not where the value's last dim
+    is the buffers' channels (unit stride in them): a permuted view of a channels-last map
     ([N, H, W, C], ConvNeXt's LayerNorm2d) is already laid out by its own node, and
     channels-last strides over its dims put H, not C, at stride 1 (an fp32 copy of the map
-    written across memory: 0.34 ms per call at [64, 56, 56, 96] on an H100)."""
+    written across memory: 0.34 ms per call at [64, 56, 56, 96] on an H100).  (A channel
+    shuffle's dim 1 moves its input by several channels, an upsample's last dim by 0 or C.)"""
     body = _body(value)
     found = False
     for name in full_read_buffers(body, value.shape):
@@ -117,7 +118,7 @@ def channels_last_inputs(lowering: Any, value: ComputedValue) -> bool:
             continue
         if not (strides[1] == const(1) and strides[3] == sizes[1] and sizes[1] != const(1)):
             return False
-        if any(_unit_step(ld.args[0], "i1") is False for ld in _loads(body) if ld.arg == name):
+        if any(_unit_step(ld.args[0], "i3") for ld in _loads(body) if ld.arg == name):
             return False
         found = True
     return found
