@@ -569,6 +569,20 @@ def walk(n: Node) -> Iterable[Node]:
     return order
 
 
+def unit_move(index: Node, name: str) -> Any:
+    """How far `index` moves when var `name` goes from 0 to 1, the other vars at 0, where both
+    values are constants (None where `name` is absent or a size is symbolic).  Unlike a term's
+    coefficient, this sees vars hidden inside // and % (a split chunk's unflattened index)."""
+    names = {n.arg for n in walk(index) if n.op == "var"}
+    if name not in names:
+        return None
+    zero = {var(v): const(0) for v in names}
+    at0, at1 = substitute(index, zero), substitute(index, {**zero, var(name): const(1)})
+    if at0.op == "const" and at1.op == "const":
+        return at1.arg - at0.arg
+    return None
+
+
 def free_syms(n: Node) -> set[str]:
     return {x.arg for x in walk(n) if x.op == "sym"}
 

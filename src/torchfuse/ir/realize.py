@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue
 from .lowering import _ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _misaligned, aligned_bias_layout, meta_val
-from .nodes import Node, const, cost, substitute, var
+from .nodes import Node, const, cost, unit_move, var
 from .nodes import loads as _loads, walk as _walk
 
 
@@ -118,21 +118,10 @@ def channels_last_inputs(lowering: Any, value: ComputedValue) -> bool:
             continue
         if not (strides[1] == const(1) and strides[3] == sizes[1] and sizes[1] != const(1)):
             return False
-        if any(_unit_step(ld.args[0], "i3") for ld in _loads(body) if ld.arg == name):
+        if any(unit_move(ld.args[0], "i3") == 1 for ld in _loads(body) if ld.arg == name):
             return False
         found = True
     return found
-
-
-def _unit_step(index: Node, name: str) -> bool | None:
-    """Does `index` move by one element when var `name` goes from 0 to 1 (the others at 0)?  None
-    where that is not a constant (symbolic sizes)."""
-    names = {n.arg for n in _walk(index) if n.op == "var"}
-    zero = {var(v): const(0) for v in names}
-    at0, at1 = substitute(index, zero), substitute(index, {**zero, var(name): const(1)})
-    if at0.op == "const" and at1.op == "const":
-        return at1.arg - at0.arg == 1
-    return None
 
 
 def _body(value: ComputedValue) -> Node:

@@ -173,7 +173,7 @@ def _role(kernel: Kernel, buf: ComputedBuffer) -> _Fit | str:
 _PERMUTE_DIMS = 6
 
 
-def _permuted_fits(kernel: Kernel, buf: ComputedBuffer) -> list[_Fit]:
+def _permuted_fits(kernel: Kernel, buf: ComputedBuffer) -> Iterator[_Fit]:
     """Placements of an element-wise `buf` as an "inner" member of a reduction kernel whose
     rows x reduced loops are a permutation of `buf`'s loops: `buf` then runs in the kernel's
     order, each of its dims on the kernel loop of the same size (every order that matches the
@@ -186,28 +186,26 @@ def _permuted_fits(kernel: Kernel, buf: ComputedBuffer) -> list[_Fit]:
     rows = squeeze(buf.ranges)
     dims = kernel.outer + kernel.inner
     if buf.is_reduction or not kernel.inner or len(rows) != len(dims) or len(dims) > _PERMUTE_DIMS:
-        return []
+        return
     # Only an epilogue of the kernel's results: a buffer that merely shares inputs with it would
     # tie its loops to the kernel's (a layer norm's input gradient, [N, C, H, W], put into its
     # weight gradient's column sums over [C] x [N, H, W], which then cannot be split: it belongs
     # with the row sums over [N, H, W] x [C] that it reads)
     members = {m.buffer.name for m in kernel.members}
     if not any(ld.arg in members for ld in loads(buf.body)):
-        return []
+        return
     # ... and of a kernel reading along its rows: over a column sum's loops ([C] x [N*H*W] of a
     # channels-last map, x * x.sum(0)) an element-wise member would be walked across memory
     along = set().union(*(_contiguous_along(m) for m in kernel.members if m.role == "reduce"))
     if not any(v.startswith("y") for v in along):
-        return []
+        return
     used, zeros = _buffer_vars(buf)
     loop_vars = [var(f"x{k}") for k in range(len(kernel.outer))] + [var(f"y{k}") for k in range(len(kernel.inner))]
-    fits = []
     for order in itertools.permutations(range(len(dims))):
         if all(rows[k] == dims[order[k]] for k in range(len(rows))):
             buf_map = dict(zeros)
             buf_map.update({used[k]: loop_vars[order[k]] for k in range(len(rows))})
-            fits.append(_Fit("inner", kernel.outer, kernel.inner, {}, buf_map, frozenset(along)))
-    return fits
+            yield _Fit("inner", kernel.outer, kernel.inner, {}, buf_map, frozenset(along))
 
 
 def _fmt(sizes: tuple[Node, ...]) -> str:
@@ -343,15 +341,11 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
 
 def _try_join(kernel: Kernel, step: ComputedBuffer) -> tuple[Kernel | None, str]:
     """`kernel` with `step` fused in (a new Kernel), or None and the reason it cannot be."""
-    def placements() -> Iterator[_Fit]:
-        # a reshape placement first; where it fails, the loops in another order
-        if not isinstance(first, str):
-            yield first
-        yield from _permuted_fits(kernel, step)
-
     first = _role(kernel, step)
     reason = first if isinstance(first, str) else ""
-    for fit in placements():
+    # a reshape placement first; where it fails, the loops in another order (a generator: only
+    # searched when reached)
+    for fit in itertools.chain(() if reason else (first,), _permuted_fits(kernel, step)):
         candidate, member = _place(kernel, step, fit)
         refused = _reads_ok(candidate, member) or _keeps_contiguity(candidate, member)
         if not refused and fit.write_along and not _unit_vars(member.store) & fit.write_along:

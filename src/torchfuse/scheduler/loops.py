@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.nodes import Node, floordiv, loads, mod, substitute, var, walk
+from ..ir.nodes import Node, floordiv, loads, mod, substitute, unit_move, var, walk
 from .fusion import Kernel, Member
 
 
@@ -94,14 +94,8 @@ def step_of(expr: Node, name: str) -> float:
     stride of an affine index, and also of an index that unflattens a split's chunk
     (((x0 * C + y0) // W) % H * S1 + (y0 % W) * S2 ...), whose terms hide y0 inside // and %
     (_stride_of sees no y0 term there).  Falls back to _stride_of when the index is symbolic."""
-    from ..ir.nodes import const, walk
-    names = {n.arg for n in walk(expr) if n.op == "var"}
-    if name in names:
-        zero = {var(v): const(0) for v in names}
-        at0, at1 = substitute(expr, zero), substitute(expr, {**zero, var(name): const(1)})
-        if at0.op == "const" and at1.op == "const":
-            return at1.arg - at0.arg
-    return _stride_of(expr, name)
+    step = unit_move(expr, name)
+    return step if step is not None else _stride_of(expr, name)
 
 
 def _reorder_outer(members: list[Member], sizes: tuple[Node, ...]) -> tuple[list[Member], tuple[Node, ...]]:
