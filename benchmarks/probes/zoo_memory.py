@@ -52,12 +52,13 @@ def live_at_peak(snapshot: dict, top: int) -> list[str]:
     live: dict[int, dict] = {}
     total = peak = 0
     peak_live: dict[int, dict] = {}
+    peak_event: dict = {}
     for ev in trace:
         if ev["action"] == "alloc":
             live[ev["addr"]] = ev
             total += ev["size"]
             if total > peak:
-                peak, peak_live = total, dict(live)
+                peak, peak_live, peak_event = total, dict(live), ev
         elif ev["action"] == "free_completed" and ev["addr"] in live:
             total -= live.pop(ev["addr"])["size"]
     sites: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
@@ -66,6 +67,15 @@ def live_at_peak(snapshot: dict, top: int) -> list[str]:
         s[0] += ev["size"]
         s[1] += 1
     lines = [f"  traced peak {peak / MiB:.0f} MiB in {len(peak_live)} allocations"]
+    # The allocation that made the peak, with its whole Python stack: says whether the peak
+    # falls in the forward, the backward or the optimizer step, and at which wrapper line.
+    frames = peak_event.get("frames", [])
+    lines.append("  peak made by " + " <- ".join(
+        f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in frames[:12])[:600])
+    # Sizes alive at the peak, so two backends' peaks can be compared buffer by buffer.
+    sizes = collections.Counter(round(ev["size"] / MiB, 1) for ev in peak_live.values())
+    lines.append("  sizes alive (MiB x count): " + ", ".join(
+        f"{size}x{n}" for size, n in sorted(sizes.items(), reverse=True)))
     for site, (size, n) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {size / MiB:8.1f} MiB {n:4d}x  {site[:230]}")
     return lines

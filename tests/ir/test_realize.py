@@ -98,6 +98,53 @@ def test_attention_bias_is_written_with_aligned_strides(monkeypatch):
     assert aligned_bias_layout([const(5), const(3), const(10)]).strides == (const(48), const(16), const(1))
 
 
+def _shifted_window_bias(q, table, index):
+    # Swin's shifted-window bias as its graph has it: a gathered position bias plus a mask the
+    # graph computes from constants, padded and sliced back as SDPA does for the CUDA kernels
+    ids = torch.arange(4 * 49 * 49).view(4, 49, 49)
+    mask = torch.where(ids % 5 == (ids // 49) % 3, 0.0, -100.0)
+    position = table[index].view(49, 49, -1).permute(2, 0, 1).contiguous().unsqueeze(0)
+    bias = position + mask.unsqueeze(1).unsqueeze(0).expand(2, -1, -1, -1, -1).reshape(-1, 1, 49, 49)
+    padded = F.pad(bias, (0, 7))[..., :49]
+    return torch.ops.torchfuse_test.biased_attention(q, q, q, padded), padded
+
+
+def test_attention_bias_also_returned_is_stored_once_in_its_strides(monkeypatch):
+    """A bias the graph also returns (a training forward saves it for the attention backward)
+    is written once, in the padded strides the graph returns it with, and the attention reads
+    that buffer.  It had been stored dense for its two readers: a second, aligned buffer for
+    the attention, and the output's strides unlike eager's, so the backward copied it into them
+    again (Swin training: five 56-64 MiB copies, its step's peak)."""
+    from torchfuse.ir import lowering
+    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+                        (3, "bias"))
+    torch.manual_seed(0)
+    q, table, index = torch.randn(8, 3, 49, 16), torch.randn(169, 3), torch.randint(0, 169, (2401,))
+    _seen_bias_strides.clear()
+    e = torchfuse.explain(_shifted_window_bias, q, table, index)
+    ref = _shifted_window_bias(q, table, index)
+    torch.testing.assert_close(e.output, ref)
+    assert e.output[1].stride() == ref[1].stride() == (3 * 49 * 56, 49 * 56, 56, 1)
+    assert _seen_bias_strides[0] == (3 * 49 * 56, 49 * 56, 56, 1), _seen_bias_strides
+    assert [len(k.writes) for k in e.kernels] == [1], [k.writes for k in e.kernels]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_stored_value_also_returned_keeps_eager_strides(tf, dtype):
+    """A value stored for its readers (here: costlier than inline_max_cost to recompute in two
+    kernels) that the graph also returns, as a view with gaps between rows, is written in the
+    view's strides: the one buffer serves the readers and the output."""
+    x = tf.rand((3, 5, 6), dtype)
+
+    def fn(x):
+        y = F.pad(x * x + 1, (0, 2))[..., :6]
+        return y, y.sum(0), y.amax(2)
+
+    e = tf.check(fn, x, options={"inline_max_cost": 0}, check_stride=True)
+    assert fn(x)[0].stride() == (40, 8, 1)
+    assert sum(len(k.writes) for k in e.kernels) == 3, [k.writes for k in e.kernels]
+
+
 def test_attention_bias_with_symbolic_sizes_is_copied_aligned(monkeypatch):
     """A dense [B, 1, S, S] mask with a symbolic S has strides S*S and S, aligned for some S
     only (GPT-2 at sequence 77 failed on CUDA): it is copied into an aligned buffer, one copy

@@ -532,6 +532,14 @@ class GraphLowering:
             return self.realize(value, layout=_output_layout(meta))
         if not should_store(self, node, value):
             return value
+        if node in self.output_nodes and getattr(value, "meta", None) is not None:
+            # Also returned by the graph: stored once, in the strides it is returned with (the
+            # backward was traced with them).  Stored dense, a padded view (Swin's attention
+            # bias, sliced from the mask SDPA pads to 56 per row) came back in a second buffer
+            # and the backward copied it into the padded strides again (+64 MiB at its start).
+            layout = _output_layout(meta)
+            if layout is not None:
+                return self.realize(value, layout=layout)
         # channels-last where the convolutions reading it take it so (a channel shuffle's half,
         # whose own node says NCHW: else ATen copies it to channels-last in every call), or where
         # it is an intermediate computed from channels-last buffers only
