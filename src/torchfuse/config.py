@@ -69,7 +69,7 @@ class Config:
     # --- graph passes ------------------------------------------------------------------------
     passes: tuple[Any, ...] = ("dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold",
                                "channels_last_convs", "pad_mm", "unfuse_addmm", "unfuse_conv_bias",
-                               "strided_1x1_grads", "dce")
+                               "strided_1x1_grads", "accumulate_by_index_add", "dce")
     """The aten graph passes to run, in order: registered names (torchfuse.passes.REGISTRY,
     torchfuse.register_pass), callables (gm, ctx) -> changes, or torch.fx PassBase objects."""
     conv_bn_fold_devices: tuple[str, ...] = ("cpu",)
@@ -98,6 +98,12 @@ class Config:
     kernels need 16-byte-aligned leading dimensions) and unfuse_addmm / unfuse_conv_bias move
     the bias adds of matrix products and (cuDNN) convolutions into the consumer kernels.  CPU
     BLAS and oneDNN need neither."""
+
+    index_add_devices: tuple[str, ...] = ("cuda",)
+    """Devices on which an accumulating index_put along one index tensor (the backward of
+    `x[idx]`) runs as ATen's index_add: one kernel of atomic adds, where CUDA's index_put sorts
+    the indices first (about ten kernels per call; passes/index_add.py).  Not on the CPU, where
+    index_put's serial loop is the faster of the two."""
 
     # --- autograd -------------------------------------------------------------------------------
     partitioner: str = "min_cut"

@@ -23,7 +23,8 @@ def _fn(x):
 
 def test_registry_names_match_config_pipeline():
     assert set(REGISTRY) == {"dce", "cse", "constant_fold", "simplify", "merge_step_sums", "conv_bn_fold", "channels_last_convs",
-                             "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "strided_1x1_grads"}
+                             "pad_mm", "unfuse_addmm", "unfuse_conv_bias", "strided_1x1_grads",
+                             "accumulate_by_index_add"}
     assert DEFAULT_PIPELINE == Config().passes
     assert all(callable(p) for p in REGISTRY.values())
 

@@ -26,6 +26,7 @@ from .context import PassContext, PassRecord
 from .conv_bn_fold import conv_bn_fold as _conv_bn_fold
 from .cse import cse as _cse
 from .dce import dce as _dce
+from .index_add import accumulate_by_index_add as _accumulate_by_index_add
 from .merge_step_sums import merge_step_sums as _merge_step_sums
 from .pad_mm import pad_mm as _pad_mm
 from .unfuse_bias import unfuse_addmm as _unfuse_addmm
@@ -51,6 +52,7 @@ REGISTRY: dict[str, Pass] = {
     "unfuse_addmm": _unfuse_addmm,
     "unfuse_conv_bias": _unfuse_conv_bias,
     "strided_1x1_grads": _strided_1x1_grads,
+    "accumulate_by_index_add": _accumulate_by_index_add,
 }
 
 # the pipeline a default Config runs (one list: Config.passes)

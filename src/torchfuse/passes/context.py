@@ -22,6 +22,9 @@ class PassContext:
     """Device types whose inference convolutions read channels-last activations
     (`channels_last_convs`)."""
 
+    index_add_devices: tuple[str, ...] = ("cuda",)
+    """Device types whose accumulating index_puts run as index_add (`accumulate_by_index_add`)."""
+
     fp32_matmul_tf32: bool = False
     """Whether cuBLAS may run fp32 products on TF32 tensor cores (the user's
     `torch.backends.cuda.matmul.fp32_precision`, read when the graph is compiled; off by default).

@@ -109,6 +109,7 @@ def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: st
     with counters.timed("passes"):
         records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices,
                                                       channels_last_devices=config.channels_last_devices,
+                                                      index_add_devices=config.index_add_devices,
                                                       fp32_matmul_tf32=_fp32_matmul_tf32()))
     after = gm.print_readable(print_output=False) if readable else ""
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
