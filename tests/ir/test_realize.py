@@ -5,6 +5,7 @@ kernels only (silu's x * sigmoid(x)) is not; a gradient summed over many layers 
 goes."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -143,6 +144,43 @@ def test_stored_value_also_returned_keeps_eager_strides(tf, dtype):
     e = tf.check(fn, x, options={"inline_max_cost": 0}, check_stride=True)
     assert fn(x)[0].stride() == (40, 8, 1)
     assert sum(len(k.writes) for k in e.kernels) == 3, [k.writes for k in e.kernels]
+
+
+def _layers_over_a_position_bias(scores, table, bucket, mask):
+    # T5's pattern: an embedding lookup [S, S, H] permuted to [1, H, S, S] plus a [B, 1, 1, S]
+    # mask, which eager lays out [B, H, S, S] with the heads at stride 1, added to every
+    # layer's scores before its softmax
+    bias = table[bucket].permute(2, 0, 1).unsqueeze(0) + torch.where(mask, 0.0, -1e9).to(table.dtype)[:, None, None, :]
+    out = scores
+    for _ in range(3):
+        out = torch.softmax(out * 2 + bias, -1) @ scores
+    return out
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_from_smaller_inputs_is_stored_row_major(backend, dtype):
+    """A value computed from smaller (gathered, broadcast) inputs only, read by kernels only, is
+    stored row-major, not in the strides eager's TensorIterator gave it from a permuted input:
+    there is no input layout to follow, and each layer's softmax reads it along its rows (at a
+    stride of H elements before: 1.5x Inductor's time per layer in T5's training step)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    B, H, S = 2, 3, 16
+    scores, table = torch.randn(B, H, S, S, dtype=dtype), torch.randn(32, H, dtype=dtype)
+    bucket, mask = torch.randint(0, 32, (S, S)), torch.rand(B, S) > 0.2
+    options = {"inline_max_cost": 0, **({"cpu_backend": "triton"} if backend == "triton" else {})}
+    e = torchfuse.explain(_layers_over_a_position_bias, scores, table, bucket, mask, options=options)
+    ref = _layers_over_a_position_bias(scores, table, bucket, mask)
+    # (bf16: three rounded layers; a bias read in the wrong layout is off by O(1))
+    tol = 1e-5 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(e.output, ref, rtol=tol, atol=tol)
+    name = next(w.split()[0] for k in e.kernels for w in k.writes if w.endswith("(add)"))
+    stores = [line for k in e.kernels for line in k.source.splitlines()
+              if re.search(rf"\b{name}\b *(\[|\+)", line) and ("store" in line or "] =" in line)]
+    assert stores and all(re.search(r"\+ y0\)", line) for line in stores), stores
 
 
 def test_attention_bias_with_symbolic_sizes_is_copied_aligned(monkeypatch):

@@ -522,7 +522,7 @@ class GraphLowering:
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
-        from .realize import channels_last_inputs, should_store
+        from .realize import broadcast_only_for_kernels, channels_last_inputs, should_store
         if all(u.op == "output" for u in node.users) and node.users and not _is_view(node):
             # A value only the graph returns (an activation the forward saves for the backward)
             # is stored here, in eager's strides, not when the output node is reached: stored
@@ -546,6 +546,8 @@ class GraphLowering:
         if value.ndim == 4 and ((readers and all(_channels_last_conv(r) for r in readers)) or
                                 (all(u.op != "output" for u in node.users) and channels_last_inputs(self, value))):
             return self.realize(value, layout=channels_last_layout(value.shape))
+        if broadcast_only_for_kernels(self, node, value):
+            return self.realize(value, layout=Layout(value.shape, contiguous_strides(value.shape)))
         return self.realize(value)
 
     def _fallback(self, node: fx.Node, reason: str) -> None:
