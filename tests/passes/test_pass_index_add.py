@@ -53,7 +53,7 @@ def test_unsafe_index_put_and_int32_indices():
 
 
 @pytest.mark.parametrize("case", ["not_accumulating", "two_indices", "mask", "device_not_named", "deterministic",
-                                  "bfloat16", "float16"])
+                                  "bfloat16", "float16", "symbolic_sizes"])
 def test_left_alone(case):
     torch.manual_seed(0)
     base, values = torch.randn(6, 5), torch.randn(4, 5)
@@ -73,7 +73,7 @@ def test_left_alone(case):
         args = (base.to(getattr(torch, case)), idx, values.to(getattr(torch, case)))
     elif case == "device_not_named":
         ctx = PassContext()                        # CUDA only by default
-    gm = trace(fn, *args)
+    gm = trace(fn, *args, mode="symbolic" if case == "symbolic_sizes" else "fake")
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(case == "deterministic")
     try:
