@@ -13,7 +13,7 @@ import torch
 
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
 from .lower_pointwise import bcast_load, register, upcast
-from .lowering import GraphLowering, layout_of, meta_val, shape_of, sym_to_node
+from .lowering import GraphLowering, _hint, layout_of, meta_val, shape_of, sym_to_node
 from .nodes import INDEX, Node, cast, const, cost, floordiv, load, mod, op, var, where
 
 aten = torch.ops.aten
@@ -330,6 +330,28 @@ CAT_MAX_FUSED_PARTS = 32
 CAT_MAX_FUSED_PARTS_CPP = 4
 
 
+def _stored_in_order_of(lw, t: TensorValue, out: Any) -> TensorValue:
+    """`t` stored for a concatenation: channels-last where computed from channels-last buffers,
+    else its dims in the memory order of the concatenation's result, so that the cat kernel
+    copies it in runs.  Stored as its own node says, a U-Net's
+    bilinear upsample (NCHW by its decomposition's gathers) was written NCHW between two
+    channels-last buffers: a transposed write, then a transposed read by the cat (0.73x
+    Inductor on the CPU)."""
+    from .lowering import channels_last_layout
+    from .realize import channels_last_inputs
+    if t.ndim == 4 and isinstance(t, ComputedValue) and channels_last_inputs(lw, t):
+        return lw.stored(t, channels_last_layout(t.shape))    # as `_maybe_realize_one` stores it
+    if not isinstance(out, torch.Tensor) or out.ndim != t.ndim:
+        return lw.stored(t)
+    order = sorted(range(t.ndim), key=lambda d: (-_hint(out.stride()[d]), d))    # outermost first
+    strides: list[Node] = [const(1)] * t.ndim
+    acc: Node = const(1)
+    for d in reversed(order):
+        strides[d] = acc
+        acc = acc * t.shape[d]
+    return lw.stored(t, Layout(tuple(t.shape), tuple(strides)))
+
+
 @register(aten.cat.default)
 def _cat(lw, tensors, dim=0):
     out_shape = lw.out_shape()
@@ -351,7 +373,7 @@ def _cat(lw, tensors, dim=0):
         costs = [cost(t.load([var(f"i{k}") for k in range(t.ndim)])) if isinstance(t, ComputedValue) else 1
                  for t in parts]
         if sum(costs) > 2 * limit:
-            parts = [lw.stored(t) if c > limit else t for t, c in zip(parts, costs)]
+            parts = [_stored_in_order_of(lw, t, lw.out_meta()) if c > limit else t for t, c in zip(parts, costs)]
 
     def body(idx):
         i = idx[dim]
