@@ -46,6 +46,13 @@ def contiguous_strides(sizes: Sequence[Node]) -> tuple[Node, ...]:
     return tuple(reversed(strides))
 
 
+def is_row_major(sizes: Sequence[Node], strides: Sequence[Node]) -> bool:
+    """Whether `strides` are the row-major strides of `sizes` (size-1 dims aside), compared
+    structurally: no guard on symbolic sizes."""
+    return all(size == const(1) or got == want
+               for size, got, want in zip(sizes, strides, contiguous_strides(sizes)))
+
+
 class TensorValue:
     shape: tuple[Node, ...]
     dtype: torch.dtype

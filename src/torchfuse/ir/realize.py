@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
+from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
 from .lowering import (_ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _is_view, _misaligned, aligned_bias_layout,
                        is_dense, layout_of, meta_val)
 from .nodes import Node, const, cost, unit_move, var
@@ -154,13 +154,11 @@ def broadcast_only_for_kernels(lowering: Any, node: fx.Node, value: ComputedValu
 
 
 def _row_major(t: torch.Tensor) -> bool:
-    """Row-major strides (size-1 dims aside), compared structurally: no guard on symbolic sizes."""
     try:
         layout = layout_of(t)
     except Unsupported:
         return True
-    return all(size == const(1) or got == want
-               for size, got, want in zip(layout.sizes, layout.strides, contiguous_strides(layout.sizes)))
+    return is_row_major(layout.sizes, layout.strides)
 
 
 def _body(value: ComputedValue) -> Node:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph, contiguous_strides
+from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph, is_row_major
 from ..ir.nodes import INDEX, Node, const, loads as _ir_loads, py_index
 from ..scheduler.fusion import Kernel
 
@@ -477,7 +477,7 @@ class WrapperBuilder:
         for sym_name, buf, dim in item.binds:
             L.append(f"    {sym_name} = {buf}.size({dim})")
         if item.target in _DENSE_RESULTS and len(tensors) == 1 and \
-                self._row_major(*self.program.buffer_meta[tensors[0]][:2]):
+                is_row_major(*self.program.buffer_meta[tensors[0]][:2]):
             return      # (no check: a host-bound graph of many small matmuls pays ~0.5 us each)
         for o in tensors:
             # Kernels index this buffer with the strides the fake tensor predicted; ATen almost
@@ -489,12 +489,6 @@ class WrapperBuilder:
             if isinstance(dtype, torch.dtype):
                 L.append(f"    if {none_ok}{o}.dtype is not {self.const(dtype)}: {o} = {o}.to({self.const(dtype)})")
             L.append(f"    if {none_ok}{o}.stride() != {_tuple(strides)}: {o} = _restride({o}, {_tuple(sizes)}, {_tuple(strides)})")
-
-    @staticmethod
-    def _row_major(sizes: Sequence[Node], strides: Sequence[Node]) -> bool:
-        """Whether `strides` are the row-major strides of `sizes` (size-1 dims aside)."""
-        return all(size == const(1) or got == want
-                   for size, got, want in zip(sizes, strides, contiguous_strides(sizes)))
 
     def _shared_input_views(self, inputs: set[str]) -> dict[str, tuple[str, int]]:
         """Views of graph inputs that ATen calls take at two or more steps, by their text: a name
