@@ -49,6 +49,10 @@ def _step(name: str, mode: str, dtype: torch.dtype, backend: str, device: str):
 def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, top: int,
             device: str = "cuda") -> str:
     torch._dynamo.reset()
+    if backend == "inductor" and device == "cpu":
+        # Name Inductor's C++ kernels in the profile too, so the tables compare kernel by kernel.
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.enable_kernel_profile = True
     fn = _step(name, mode, dtype, backend, device)
     for _ in range(3):
         fn()

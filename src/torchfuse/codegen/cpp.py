@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from ..ir.nodes import INDEX, Node, free_syms, to_text
+from ..ir.nodes import INDEX, Node, free_syms, to_text, walk
 from ..scheduler.loops import LoopPlan, Stage, rows_contiguous
 from .common import ExprEmitter
 
@@ -95,7 +95,10 @@ static inline double tf_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 // Branch-free float32 exp/log/tanh/erf that g++ vectorizes inside `omp simd` loops (std::expf
 // stays a scalar call without -ffast-math).  Cephes-style range reduction and polynomials,
-// within ~2 ulp; NaN, +-inf, overflow and subnormal results behave like the C library's.
+// within ~2 ulp; NaN, +-inf, overflow and subnormal inputs behave like the C library's.  exp's
+// results below FLT_MIN are flushed to +0 (as ATen's exp_u20, which Inductor's softmax uses):
+// on x86 every op reading a subnormal takes a ~100-cycle microcode assist, and a softmax over
+// an attention mask of -100 (Swin's shifted windows) made mostly subnormals, running 10x slower.
 static inline float tf_ldexp2(float p, int32_t n) {
   // p * 2^n, split in two so that 2^n over/underflowing a float exponent still rounds right
   int32_t h = n >> 1;
@@ -113,6 +116,7 @@ static inline float tf_expf(float x) {
   p = p * r + 1.6666665459E-1f; p = p * r + 5.0000001201E-1f;
   p = p * r * r + r + 1.0f;
   float y = tf_ldexp2(p, static_cast<int32_t>(n));
+  y = x < -87.336544751f ? 0.0f : y;                 // ln(FLT_MIN): no subnormal results
   return x != x ? x : y;
 }
 static inline float tf_logf(float x) {
@@ -274,7 +278,16 @@ def c_literal(value, dtype: torch.dtype) -> str:
 
 
 class Emitter(ExprEmitter):
-    """Node DAGs as C++ statements (see ExprEmitter for the shared CSE machinery)."""
+    """Node DAGs as C++ statements (see ExprEmitter for the shared CSE machinery).
+
+    `int32_buffers` are buffers whose every offset fits an int32: a gather from one (an offset
+    computed from loaded data) is indexed with int32.  With int64 offsets, g++ gave up vectorizing
+    a loop that mixes 64-bit gather lanes with the 32-bit lanes of tf_expf (an attention softmax
+    with a gathered position bias ran scalar, 6x slower)."""
+
+    def __init__(self, buffers: dict[str, torch.dtype], int32_buffers: frozenset[str] = frozenset()):
+        super().__init__(buffers)
+        self.int32_buffers = int32_buffers
 
     def literal(self, value, dtype: torch.dtype) -> str:
         return c_literal(value, dtype)
@@ -296,7 +309,10 @@ class Emitter(ExprEmitter):
     def _expr(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
         if o == "load":
-            raw = f"{n.arg}[{self.index(a[0])}]"
+            offset = self.index(a[0])
+            if n.arg in self.int32_buffers and _data_dependent(a[0]):
+                offset = f"static_cast<int32_t>({offset})"
+            raw = f"{n.arg}[{offset}]"
             sdt = self.buffers[n.arg]
             if sdt == torch.float16:
                 raw = f"tf_half_to_float({raw})"
@@ -360,6 +376,14 @@ class Emitter(ExprEmitter):
         raise NotImplementedError(f"C++ codegen: no rule for op {o!r} ({to_text(n)})")
 
 
+_INDEX_OPS = frozenset({"const", "var", "sym", "add", "mul", "floordiv", "mod"})
+
+
+def _data_dependent(index: Node) -> bool:
+    """Does this offset read data (a gather), rather than being loop-variable arithmetic?"""
+    return any(x.op not in _INDEX_OPS for x in walk(index))
+
+
 _RED_INIT = {"sum": 0, "prod": 1, "any": False, "all": True}
 
 
@@ -381,9 +405,10 @@ def _store_expr(buf_dtype: torch.dtype, value: str) -> str:
     return f"static_cast<{STORAGE[buf_dtype]}>({value})"
 
 
-def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], parallel_threshold: int
-                  ) -> tuple[str, list[str], list[str]]:
-    """C++ for one kernel; returns (source, buffer argument names, symbol argument names)."""
+def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], parallel_threshold: int,
+                  int32_buffers: frozenset[str] = frozenset()) -> tuple[str, list[str], list[str]]:
+    """C++ for one kernel; returns (source, buffer argument names, symbol argument names).
+    `int32_buffers`: the buffers every offset of which fits an int32 (see Emitter)."""
     kernel = plan.kernel
     written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
     produced = {m.buffer.name for m in plan.members}
@@ -401,7 +426,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     params = [f"const {STORAGE[buffer_dtypes[b]]}* __restrict__ {b}" for b in read]
     params += [f"{STORAGE[buffer_dtypes[b]]}* __restrict__ {b}" for b in written]
     params += [f"const int64_t {s}" for s in syms_list]
-    em = Emitter(buffer_dtypes)
+    em = Emitter(buffer_dtypes, int32_buffers)
     em.lines.append(f'extern "C" void {kernel.name}({", ".join(params)}) {{')
     total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
     para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
@@ -420,7 +445,6 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
 
 
 def _all_nodes(m) -> Iterable[Node]:
-    from ..ir.nodes import walk
     yield from walk(m.body)
     yield from walk(m.store)
 
@@ -482,7 +506,12 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
     for m in stage.members:
         op, dt = m.buffer.reduction_op, m.body.dtype
         acc = f"acc_{m.buffer.name}"
-        em.line(f"{CTYPE[dt]} {acc} = {_red_init(op, dt)};")
+        if op in ("any", "all"):
+            # an int32 flag: g++ does not vectorize an omp simd loop with a bool reduction
+            # (nor, then, the row's later loops that read its result)
+            em.line(f"int32_t {acc} = {1 if op == 'all' else 0};")
+        else:
+            em.line(f"{CTYPE[dt]} {acc} = {_red_init(op, dt)};")
         if op in ("argmax", "argmin"):
             em.line(f"int64_t {acc}_i = 0;")
             uses_arg = True
@@ -490,7 +519,7 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
             em.line(f"int32_t {acc}_nan = 0;")
             clauses.append(f"reduction(|:{acc}_nan)")
         clauses.append({"sum": f"reduction(+:{acc})", "prod": f"reduction(*:{acc})", "max": f"reduction(max:{acc})",
-                        "min": f"reduction(min:{acc})", "any": f"reduction(||:{acc})", "all": f"reduction(&&:{acc})"
+                        "min": f"reduction(min:{acc})", "any": f"reduction(|:{acc})", "all": f"reduction(&:{acc})"
                         }.get(op, ""))
         accs.append((m, acc))
     clause = "" if uses_arg else " " + " ".join(c for c in clauses if c)
@@ -646,9 +675,9 @@ def _accumulate(em: Emitter, op: str, acc: str, v: str, nan: str | None) -> None
         if nan:
             em.line(f"{nan} |= static_cast<int32_t>({v} != {v});")
     elif op == "any":
-        em.line(f"{acc} = {acc} || {v};")
+        em.line(f"{acc} |= static_cast<int32_t>({v} != 0);")
     else:
-        em.line(f"{acc} = {acc} && {v};")
+        em.line(f"{acc} &= static_cast<int32_t>({v} != 0);")
 
 
 def _result_cast(dtype: torch.dtype, result: str) -> str:

@@ -196,6 +196,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
     register_only: set[str] = set()
+    narrow: frozenset[str] | None = None
     try:
         for plan in plans:
             kernel = plan.kernel
@@ -230,7 +231,9 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                 sites[kernel.name] = (helper, variants, len(sizes), len(bufs), len(syms), kw)
             else:
                 from ..codegen import cpp
-                src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold)
+                if narrow is None:
+                    narrow = _int32_addressable(program)
+                src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold, narrow)
             kernel_args[kernel.name] = (bufs, syms)
             # Identical kernels (every layer of a transformer) are compiled once: compare sources
             # with buffer names replaced by their argument positions.
@@ -368,18 +371,33 @@ def _needs_64bit_expr(program, bufs: list[str], plan) -> str:
     """A Python expression: can any element offset of this kernel pass 2**31?  Offsets are at
     most sum((size-1)*stride) of each buffer's layout (and the loop's own numel); for static
     shapes this folds to a constant at compile time."""
-    from ..ir.nodes import const
     from .wrapper import py_index
     terms = [py_index(_product(plan.outer + plan.inner))]
-    for b in bufs:
-        sizes, strides, _, _ = program.buffer_meta[b]
-        span = const(0)
-        for sz, st in zip(sizes, strides):
-            span = span + (sz - 1) * st
-        terms.append(py_index(span))
+    terms += [py_index(_span(program.buffer_meta[b])) for b in bufs]
     if all(t.lstrip("-").isdigit() for t in terms):
         return str(max(int(t) for t in terms) >= 2 ** 31 - 2 ** 20)
     return f"max({', '.join(terms)}) >= {2 ** 31 - 2 ** 20}"
+
+
+def _span(meta) -> Node:
+    """The largest element offset of a buffer's layout: sum((size-1)*stride)."""
+    from ..ir.nodes import const
+    sizes, strides = meta[0], meta[1]
+    span = const(0)
+    for sz, st in zip(sizes, strides):
+        span = span + (sz - 1) * st
+    return span
+
+
+def _int32_addressable(program) -> frozenset[str]:
+    """Buffers of static layout whose every element offset fits an int32 (C++ gathers from them
+    index with int32: see codegen/cpp.py's Emitter)."""
+    out = set()
+    for name, meta in program.buffer_meta.items():
+        span = _span(meta)
+        if span.op == "const" and span.arg < 2 ** 31 - 2 ** 20:
+            out.add(name)
+    return frozenset(out)
 
 
 def _canonical(src: str, name: str, bufs: list[str]) -> str:
