@@ -345,10 +345,8 @@ def _stored_in_order_of(lw, t: TensorValue, out: Any) -> TensorValue:
         return lw.stored(t)
     order = sorted(range(t.ndim), key=lambda d: (-_hint(out.stride()[d]), d))    # outermost first
     strides: list[Node] = [const(1)] * t.ndim
-    acc: Node = const(1)
-    for d in reversed(order):
-        strides[d] = acc
-        acc = acc * t.shape[d]
+    for d, stride in zip(order, contiguous_strides([t.shape[d] for d in order])):
+        strides[d] = stride
     return lw.stored(t, Layout(tuple(t.shape), tuple(strides)))
 
 

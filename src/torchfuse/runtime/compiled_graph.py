@@ -196,7 +196,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
     register_only: set[str] = set()
-    narrow: frozenset[str] | None = None
+    int32_buffers = _int32_addressable(program) if backend != "triton" else frozenset()
     try:
         for plan in plans:
             kernel = plan.kernel
@@ -231,9 +231,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                 sites[kernel.name] = (helper, variants, len(sizes), len(bufs), len(syms), kw)
             else:
                 from ..codegen import cpp
-                if narrow is None:
-                    narrow = _int32_addressable(program)
-                src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold, narrow)
+                src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold, int32_buffers)
             kernel_args[kernel.name] = (bufs, syms)
             # Identical kernels (every layer of a transformer) are compiled once: compare sources
             # with buffer names replaced by their argument positions.
