@@ -44,6 +44,19 @@ def _gathered_bias_softmax(x):
 CASES["gathered_bias_safe_softmax"] = (_gathered_bias_softmax, 3)
 
 
+def _rotary_heads_to_rows(x):
+    """Llama's rotary backward: per-head rows (8 heads of 32) rotated by an angle table broadcast
+    over heads, written back as (tokens, heads * 32): the flat loop over 256 columns reads the
+    table at column % 32, which only vectorizes once that loop is split into heads x 32."""
+    q = x.view(8, 64, 32)
+    angles = x[:, :32] * 0.1
+    rotated = torch.cat([-q[..., 16:], q[..., :16]], -1)
+    return (q * torch.cos(angles) + rotated * torch.sin(angles)).transpose(0, 1).reshape(64, 256)
+
+
+CASES["rotary_heads_to_rows"] = (_rotary_heads_to_rows, 1)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_inner_loops_vectorize(name, tmp_path):
     fn, loops = CASES[name]

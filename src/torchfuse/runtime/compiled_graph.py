@@ -185,7 +185,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
     device = program_device(program)
     backend = "triton" if device == "cuda" else config.cpu_backend
-    plans = [plan_loops(kernel, readers) for kernel in sched.kernels]
+    plans = [plan_loops(kernel, readers, split=backend == "cpp") for kernel in sched.kernels]
     stored = set().union(*(p.stored for p in plans)) if plans else set()
     kernel_args: dict[str, tuple[list[str], list[str]]] = {}
     kernel_calls: dict[str, str] = {}

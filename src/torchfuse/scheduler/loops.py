@@ -3,6 +3,10 @@
 * Dim merging: adjacent loop dims are merged when every memory access stays affine (no new
   `//` or `%` appears).  A contiguous elementwise kernel becomes one flat loop; a bias-add keeps
   two loops so the inner one stays contiguous.
+* Dim splitting (C++ only): the vectorized (innermost) loop dim is split in two when its accesses
+  unflatten it with `// c` and `% c` (a view that flattened heads and head_dim, read next to a
+  table broadcast over heads): the inner loop of c then addresses memory affinely and
+  vectorizes, where the flat loop was a gather per lane.
 * Stages: a reduction kernel runs, per outer point, a sequence of stages; independent
   reductions over the same rows share one pass over the data.
 * Stores: a member is written to memory only when something outside its own loop reads it.
@@ -11,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..ir.nodes import Node, floordiv, loads, mod, substitute, unit_move, var, walk
+from ..ir.nodes import Node, add, const, floordiv, loads, mod, mul, substitute, unit_move, var, walk
 from .fusion import Kernel, Member
 
 
@@ -79,6 +83,54 @@ def _merge_dims(members: list[Member], sizes: tuple[Node, ...], prefix: str,
     return members, tuple(sizes)
 
 
+# A split leaves an inner loop of c; below a vector's lanes it would not pay for itself.
+_MIN_SPLIT = 8
+
+
+def _divisors_used(members: list[Member], name: str, size: int) -> set[int]:
+    """Constant divisors c of `size` with which an access unflattens var `name` (`... // c`, `... % c`)."""
+    found: set[int] = set()
+    for m in members:
+        for e in [m.store] + [ld.args[0] for ld in loads(m.body)] + [m.body]:
+            for n in walk(e):
+                if n.op in ("floordiv", "mod") and n.args[1].op == "const":
+                    c = n.args[1].arg
+                    if isinstance(c, int) and _MIN_SPLIT <= c < size and size % c == 0 and \
+                            any(f.op == "var" and f.arg == name for f in walk(n.args[0])):
+                        found.add(c)
+    return found
+
+
+def _split_innermost(members: list[Member], sizes: tuple[Node, ...], prefix: str,
+                     other: dict[str, Node]) -> tuple[list[Member], tuple[Node, ...]]:
+    """Split the innermost dim (size S) into (S // c, c) while that removes div/mod from the
+    accesses; c is the divisor that removes the most."""
+    sizes = list(sizes)
+    while sizes and sizes[-1].op == "const":
+        k, size = len(sizes) - 1, sizes[-1].arg
+        name = f"{prefix}{k}"
+        base = _count_divmod(members)
+        best: tuple[int, int, list[Member]] | None = None
+        for c in sorted(_divisors_used(members, name, size)):
+            ranges = dict(other)
+            ranges.update({f"{prefix}{j}": s for j, s in enumerate(sizes[:-1])})
+            ranges.update({f"{prefix}__hi": const(size // c), f"{prefix}__lo": const(c)})
+            mapping = {var(name): add(mul(var(f"{prefix}__hi"), c), var(f"{prefix}__lo"))}
+            trial = _rewrite(members, mapping, ranges)
+            count = _count_divmod(trial)
+            if count < base and (best is None or count < best[0]):
+                best = (count, c, trial)
+        if best is None:
+            break
+        _, c, trial = best
+        sizes = sizes[:-1] + [const(size // c), const(c)]
+        final = dict(other)
+        final.update({f"{prefix}{j}": s for j, s in enumerate(sizes)})
+        members = _rewrite(trial, {var(f"{prefix}__hi"): var(name), var(f"{prefix}__lo"): var(f"{prefix}{k + 1}")},
+                           final)
+    return members, tuple(sizes)
+
+
 def _stride_of(expr: Node, name: str) -> float:
     """The constant coefficient of var `name` in an affine index (inf if symbolic, 0 if absent)."""
     from ..ir.nodes import _terms
@@ -115,7 +167,10 @@ def _reorder_outer(members: list[Member], sizes: tuple[Node, ...]) -> tuple[list
     return members, tuple(sizes[k] for k in order)
 
 
-def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = True) -> LoopPlan:
+def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = True,
+               split: bool = False) -> LoopPlan:
+    """`split` splits the vectorized dim where that makes its accesses affine (the C++ backend,
+    whose vectorizer needs affine addresses; Triton computes any index per lane)."""
     members = list(kernel.members)
     outer, inner = kernel.outer, kernel.inner
     if kernel.kind == "pointwise":
@@ -125,6 +180,11 @@ def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = Tr
         members, outer = _merge_dims(members, outer, "x", inner_ranges)
         outer_ranges = {f"x{j}": s for j, s in enumerate(outer)}
         members, inner = _merge_dims(members, inner, "y", outer_ranges)
+    if split:
+        if kernel.kind == "pointwise":
+            members, outer = _split_innermost(members, outer, "x", {f"y{j}": s for j, s in enumerate(inner)})
+        else:
+            members, inner = _split_innermost(members, inner, "y", {f"x{j}": s for j, s in enumerate(outer)})
     ranges = {f"x{j}": s for j, s in enumerate(outer)}
     ranges.update({f"y{j}": s for j, s in enumerate(inner)})
 
