@@ -8,7 +8,9 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
   alive across that call;
 - it is a window of its input (pooling: each reader would read the input that many times);
 - inlining it would keep more than MAX_DEFERRED_READS buffers of its size alive across an ATen
-  call, buffers nothing else reads later (`defers_dying_reads`: a gradient summed over layers).
+  call, buffers nothing else reads later (`defers_dying_reads`: a gradient summed over layers);
+- on the CPU, its readers broadcast a transcendental (`broadcast_recomputes`: rotary embeddings'
+  sin and cos tables, read by every batch and head).
 Where it is stored: channels-last when computed from channels-last buffers only
 (`channels_last_inputs`); row-major when computed from smaller inputs only and read by kernels
 only (`broadcast_only_for_kernels`); an attention bias with aligned strides, once per broadcast mask
@@ -17,6 +19,7 @@ only (`broadcast_only_for_kernels`); an attention bias with aligned strides, onc
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 from typing import Any, Sequence
 
@@ -24,10 +27,12 @@ import torch
 import torch.fx as fx
 
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
-from .lowering import (_ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _is_view, _misaligned, aligned_bias_layout,
+from .lowering import (_ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _is_view, _misaligned, aligned_bias_layout, shape_of,
                        is_dense, layout_of, meta_val)
 from .nodes import Node, const, cost, unit_move, var
 from .nodes import loads as _loads, walk as _walk
+
+log = logging.getLogger("torchfuse.lowering")
 
 
 def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
@@ -53,7 +58,71 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
             k, late = kernels_reading(node, lowering._node_order())
             if late or (k - 1) * (m - 1) > 2:
                 return True
+    if not window and lowering.device is not None and lowering.device.type == "cpu" and \
+            broadcast_recomputes(node, value, body if body is not None else _body(value)):
+        return True
     return not window and defers_dying_reads(lowering, node, value, body)
+
+
+# transcendentals: a vectorized sin costs tens of cycles a lane (sqrt, division: a few)
+_TRANSCENDENTAL = frozenset({"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin",
+                             "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf",
+                             "erfc", "erfinv", "lgamma", "digamma", "pow", "atan2"})
+# a reader computing this many elements per element of the value, the readers this many in all
+# (fewer cost less than the kernel call that stores the value): storing it pays
+BROADCAST_RECOMPUTE_FACTOR = 4
+BROADCAST_RECOMPUTE_MIN = 32768
+
+
+def broadcast_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> bool:
+    """Would inlining this transcendental value evaluate it many times per element, because its
+    readers broadcast it?  Rotary embeddings' sin and cos of a [seq, head_dim] table, read by
+    q and k of every batch and head (and by both again in the backward), were evaluated
+    batch * heads times per element, about half the time of llama's rotary kernels on the CPU.
+    Stored, each element is evaluated once.  (On the GPU a memory-bound kernel recomputes them
+    for free, where storing costs a launch: CPU only, see should_store.)
+
+    Only for values computed from stored inputs: a per-row statistic (layer norm's rsqrt of
+    the variance, softmax's exp(x - max)) is a reduction's epilogue, evaluated once per row in
+    the kernel that reduces, which storing it would split."""
+    if not any(n.op in _TRANSCENDENTAL for n in _walk(body)):
+        return False
+    size = _static_numel(value.shape)
+    users = [u for u in readers(node) if u.target in LOWERINGS]     # (an ATen call reads it stored)
+    sizes = [_static_numel(shape_of(meta_val(u))) if isinstance(meta_val(u), torch.Tensor) else None for u in users]
+    if size is None or not users or any(n is None for n in sizes):
+        return False
+    if max(sizes) < BROADCAST_RECOMPUTE_FACTOR * size or sum(sizes) < BROADCAST_RECOMPUTE_MIN or \
+            _inlines_reduction(node):
+        return False
+    log.debug("%s: stored, since its readers would evaluate its transcendental %d times (%d elements)",
+              node.name, sum(sizes), size)
+    return True
+
+
+def _static_numel(shape: Sequence[Node]) -> int | None:
+    total = 1
+    for dim in shape:
+        if dim.op != "const":
+            return None
+        total *= dim.arg
+    return total
+
+
+def _inlines_reduction(node: fx.Node, depth: int = 12) -> bool:
+    """Does the expression of `node` reach a reduction through lowered ops (looking up at most
+    `depth` nodes; past that, assume it does)?"""
+    stack, seen = [(node, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if n.target in REDUCTIONS or d > depth:
+            return True
+        if n.target in LOWERINGS:
+            stack.extend((a, d + 1) for a in n.all_input_nodes)
+    return False
 
 
 def read_only_as_attention_bias(node: fx.Node) -> bool:

@@ -13,10 +13,13 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from ..ir.nodes import Node, add, const, floordiv, loads, mod, mul, substitute, unit_move, var, walk
 from .fusion import Kernel, Member
+
+log = logging.getLogger("torchfuse.loops")
 
 
 @dataclass
@@ -122,7 +125,8 @@ def _split_innermost(members: list[Member], sizes: tuple[Node, ...], prefix: str
                 best = (count, c, trial)
         if best is None:
             break
-        _, c, trial = best
+        count, c, trial = best
+        log.debug("split loop %s (%d) into %d x %d: div/mod in accesses %d -> %d", name, size, size // c, c, base, count)
         sizes = sizes[:-1] + [const(size // c), const(c)]
         final = dict(other)
         final.update({f"{prefix}{j}": s for j, s in enumerate(sizes)})
