@@ -316,3 +316,43 @@ def test_value_from_channels_last_inputs_is_stored_channels_last(tf):
     _seen_strides.clear()
     tf.check(fn, x, allow_fallbacks=["torchfuse_test.record_strides.default"], check_stride=True)
     assert _seen_strides[-1] == (448, 1, 56, 8), _seen_strides
+
+
+# -- a transcendental its readers broadcast is evaluated once per element (CPU) ------------------
+
+def _rotary(q: torch.Tensor, k: torch.Tensor, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = angles.cos()[None, None], angles.sin()[None, None]
+
+    def rotate_half(x):
+        return torch.cat([-x[..., 16:], x[..., :16]], -1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def test_transcendental_broadcast_by_its_readers_is_evaluated_once_per_element():
+    """Rotary embeddings with grouped-query heads: the [seq, head_dim] sin and cos tables are
+    read by q (8 heads) and k (4 heads) of 2 sequences.  Inlined, each q and k element evaluated
+    both; stored, one kernel evaluates them over the table and the q and k kernels read them."""
+    torch.manual_seed(0)
+    q, k, angles = torch.randn(2, 8, 64, 32), torch.randn(2, 4, 64, 32), torch.randn(64, 32) * 3
+    e = torchfuse.explain(_rotary, q, k, angles)
+    for out, ref in zip(e.output, _rotary(q, k, angles)):
+        torch.testing.assert_close(out, ref)
+    evaluating = [kern.name for kern in e.kernels if "tf_sinf(" in kern.source or "tf_cosf(" in kern.source]
+    assert len(evaluating) == 1, [(kern.name, kern.writes) for kern in e.kernels]
+    assert len(e.kernels) == 3, [kern.name for kern in e.kernels]
+
+
+def test_transcendental_read_element_for_element_stays_inlined():
+    """Readers of the same size gain nothing from a stored copy: sin(x) feeds two outputs of
+    x's shape (two kernels would each read x once either way), and one kernel computes both."""
+    x, y = torch.randn(64, 512), torch.randn(64, 512)
+
+    def fn(x, y):
+        s = torch.sin(x)
+        return s * y, s + y
+
+    e = torchfuse.explain(fn, x, y)
+    for out, ref in zip(e.output, fn(x, y)):
+        torch.testing.assert_close(out, ref)
+    assert len(e.kernels) == 1, [(kern.name, kern.writes) for kern in e.kernels]
