@@ -449,9 +449,16 @@ def _all_nodes(m) -> Iterable[Node]:
     yield from walk(m.store)
 
 
+# An innermost loop shorter than this (an RGB image's 3 channels, going channels-last) gets no
+# `omp simd`: the loop around it does, and g++ unrolls it inside the vector loop.  Vectorized
+# itself, every 3 elements paid a vector loop's entry and remainder (6x slower).
+SHORT_INNER_LOOP = 8
+
+
 def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: str | None, body, *,
                 simd_last: bool = True, reduction_clause: str = "") -> None:
-    """Nested loops; the outermost gets `omp parallel for` (collapsed), the innermost `omp simd`."""
+    """Nested loops; the outermost gets `omp parallel for` (collapsed), the innermost `omp simd`
+    (the one around it, if the innermost is short: SHORT_INNER_LOOP)."""
     if not sizes:
         em.push()
         em.line("{")
@@ -460,13 +467,18 @@ def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: st
         em.pop()
         return
     depth = len(sizes)
+    simd_at = None
+    if simd_last:
+        last = sizes[-1]
+        short = depth > 1 and last.op == "const" and last.arg < SHORT_INNER_LOOP
+        simd_at = depth - 2 if short else depth - 1
     for j, (name, size) in enumerate(zip(names, sizes)):
         if j == 0 and para is not None:
-            collapse = depth - 1 if (simd_last and depth > 1) else depth
+            collapse = simd_at if simd_at is not None and simd_at > 0 else (depth if simd_at is None else 1)
             clause = f" collapse({collapse})" if collapse > 1 else ""
-            simd = " simd" if (simd_last and depth == 1) else ""
+            simd = " simd" if simd_at == 0 else ""
             em.line(f"#pragma omp parallel for{simd}{clause}{reduction_clause} {para}")
-        elif j == depth - 1 and simd_last:
+        elif j == simd_at:
             em.line(f"#pragma omp simd{reduction_clause}")
         em.line(f"for (int64_t {name} = 0; {name} < {em.index(size)}; ++{name}) {{")
         em.push()
