@@ -12,8 +12,8 @@ from typing import Iterable
 
 import torch
 
-from ..ir.nodes import INDEX, Node, free_syms, to_text, walk
-from ..scheduler.loops import LoopPlan, Stage, rows_contiguous
+from ..ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
+from ..scheduler.loops import LoopPlan, Stage, rows_contiguous, step_of
 from .common import ExprEmitter
 
 CTYPE = {
@@ -433,7 +433,8 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     outer_vars = [f"x{j}" for j in range(len(plan.outer))]
 
     if kernel.kind == "pointwise":
-        _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_inner_stage(em, plan, plan.members))
+        _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_inner_stage(em, plan, plan.members),
+                    short_inner=_interleaves_short_inner(plan))
     elif not plan.outer:
         _emit_outer_body(em, plan, para_inner=para)
     elif column_plan(plan):
@@ -450,15 +451,32 @@ def _all_nodes(m) -> Iterable[Node]:
 
 
 # An innermost loop shorter than this (an RGB image's 3 channels, going channels-last) gets no
-# `omp simd`: the loop around it does, and g++ unrolls it inside the vector loop.  Vectorized
-# itself, every 3 elements paid a vector loop's entry and remainder (6x slower).
+# `omp simd` where the loop around it reads and writes interleaved groups (_interleaves_short_inner):
+# that loop does, and g++ unrolls the short one inside it.  Vectorized itself, every 3 elements
+# paid a vector loop's entry and remainder (6x slower).
 SHORT_INNER_LOOP = 8
 
 
+def _interleaves_short_inner(plan: LoopPlan) -> bool:
+    """Is the innermost loop of this pointwise kernel short (SHORT_INNER_LOOP), and does every
+    access step along the loop around it by at most the short loop's length (contiguous, or
+    interleaved groups such as channels-last pixels)?  Elsewhere (a strided step: gathers per
+    lane) g++ 12 spends seconds vectorizing the loop around, for slower code."""
+    if len(plan.outer) < 2 or plan.outer[-1].op != "const" or plan.outer[-1].arg >= SHORT_INNER_LOOP:
+        return False
+    around = f"x{len(plan.outer) - 2}"
+    for m in plan.members:
+        for index in [m.store] + [ld.args[0] for ld in loads(m.body)]:
+            step = step_of(index, around)
+            if not isinstance(step, int) or abs(step) > plan.outer[-1].arg:
+                return False
+    return True
+
+
 def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: str | None, body, *,
-                simd_last: bool = True, reduction_clause: str = "") -> None:
+                simd_last: bool = True, reduction_clause: str = "", short_inner: bool = False) -> None:
     """Nested loops; the outermost gets `omp parallel for` (collapsed), the innermost `omp simd`
-    (the one around it, if the innermost is short: SHORT_INNER_LOOP)."""
+    (with `short_inner`, the one around it: SHORT_INNER_LOOP)."""
     if not sizes:
         em.push()
         em.line("{")
@@ -469,9 +487,7 @@ def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: st
     depth = len(sizes)
     simd_at = None
     if simd_last:
-        last = sizes[-1]
-        short = depth > 1 and last.op == "const" and last.arg < SHORT_INNER_LOOP
-        simd_at = depth - 2 if short else depth - 1
+        simd_at = depth - 2 if short_inner and depth > 1 else depth - 1
     for j, (name, size) in enumerate(zip(names, sizes)):
         if j == 0 and para is not None:
             collapse = simd_at if simd_at is not None and simd_at > 0 else (depth if simd_at is None else 1)
