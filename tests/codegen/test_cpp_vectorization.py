@@ -76,3 +76,21 @@ def test_inner_loops_vectorize(name, tmp_path):
     vectorized = {int(m.group(1)) for m in re.finditer(r"k\.cpp:(\d+):\d+: optimized: loop vectorized", out.stderr)
                   if int(m.group(1)) >= first}
     assert len(vectorized) >= loops, f"{len(vectorized)} of {loops} inner loops vectorized:\n{out.stderr}\n{unit[-3000:]}"
+
+
+def test_gather_uniform_across_lanes_keeps_contiguous_lane_offsets():
+    """A channels-last bilinear upsample reads its source pixel through index tables that depend
+    on the output row and column only: along the vectorized channel loop the offset is
+    contiguous.  Cast to int32 (as a per-lane gather from an int32-addressable buffer is), g++
+    made every load a gather: the same kernel ran 7x slower.  Only the swin-style gather, whose
+    loaded index differs per lane, is cast (gathered_bias_safe_softmax)."""
+    x = torch.randn(64, 256)
+
+    def upsample(x):
+        return F.interpolate(torch.relu(x.view(4, 16, 16, 16).permute(0, 3, 1, 2)), scale_factor=2, mode="bilinear")
+
+    e = torchfuse.explain(upsample, x)
+    torch.testing.assert_close(e.output, upsample(x))
+    assert len(e.kernels) == 1, str(e)
+    source = e.kernels[0].source
+    assert "#pragma omp simd" in source and "static_cast<int32_t>" not in source, source

@@ -281,13 +281,18 @@ class Emitter(ExprEmitter):
     """Node DAGs as C++ statements (see ExprEmitter for the shared CSE machinery).
 
     `int32_buffers` are buffers whose every offset fits an int32: a gather from one (an offset
-    computed from loaded data) is indexed with int32.  With int64 offsets, g++ gave up vectorizing
-    a loop that mixes 64-bit gather lanes with the 32-bit lanes of tf_expf (an attention softmax
-    with a gathered position bias ran scalar, 6x slower)."""
+    computed from data loaded per lane, i.e. at an index holding one of `lane_vars`) is indexed
+    with int32.  With int64 offsets, g++ gave up vectorizing a loop that mixes 64-bit gather
+    lanes with the 32-bit lanes of tf_expf (an attention softmax with a gathered position bias ran
+    scalar, 6x slower).  An offset whose loaded part is the same in every lane (a bilinear
+    upsample's source row and column, over channels-last channels) stays int64: g++ hoists that
+    part and loads the lanes contiguously, where the int32 cast made every load a gather (2x)."""
 
-    def __init__(self, buffers: dict[str, torch.dtype], int32_buffers: frozenset[str] = frozenset()):
+    def __init__(self, buffers: dict[str, torch.dtype], int32_buffers: frozenset[str] = frozenset(),
+                 lane_vars: frozenset[str] = frozenset()):
         super().__init__(buffers)
         self.int32_buffers = int32_buffers
+        self.lane_vars = lane_vars
 
     def literal(self, value, dtype: torch.dtype) -> str:
         return c_literal(value, dtype)
@@ -310,7 +315,7 @@ class Emitter(ExprEmitter):
         o, a, dt = n.op, n.args, n.dtype
         if o == "load":
             offset = self.index(a[0])
-            if n.arg in self.int32_buffers and _data_dependent(a[0]):
+            if n.arg in self.int32_buffers and _gathers_per_lane(a[0], self.lane_vars):
                 offset = f"static_cast<int32_t>({offset})"
             raw = f"{n.arg}[{offset}]"
             sdt = self.buffers[n.arg]
@@ -379,9 +384,11 @@ class Emitter(ExprEmitter):
 _INDEX_OPS = frozenset({"const", "var", "sym", "add", "mul", "floordiv", "mod"})
 
 
-def _data_dependent(index: Node) -> bool:
-    """Does this offset read data (a gather), rather than being loop-variable arithmetic?"""
-    return any(x.op not in _INDEX_OPS for x in walk(index))
+def _gathers_per_lane(index: Node, lane_vars: frozenset[str]) -> bool:
+    """Does this offset read data (a gather, not loop-variable arithmetic) that differs from lane
+    to lane (read at an index holding one of `lane_vars`)?"""
+    return any(x.op not in _INDEX_OPS and any(v.op == "var" and v.arg in lane_vars for v in walk(x))
+               for x in walk(index))
 
 
 _RED_INIT = {"sum": 0, "prod": 1, "any": False, "all": True}
@@ -426,7 +433,13 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     params = [f"const {STORAGE[buffer_dtypes[b]]}* __restrict__ {b}" for b in read]
     params += [f"{STORAGE[buffer_dtypes[b]]}* __restrict__ {b}" for b in written]
     params += [f"const int64_t {s}" for s in syms_list]
-    em = Emitter(buffer_dtypes, int32_buffers)
+    short_inner = kernel.kind == "pointwise" and _interleaves_short_inner(plan)
+    # the vars a vector loop may run over: the innermost of each loop nest (and the one around a
+    # short innermost loop)
+    lane_vars = {f"x{len(plan.outer) - 1}", f"y{len(plan.inner) - 1}"}
+    if short_inner:
+        lane_vars.add(f"x{len(plan.outer) - 2}")
+    em = Emitter(buffer_dtypes, int32_buffers, frozenset(lane_vars))
     em.lines.append(f'extern "C" void {kernel.name}({", ".join(params)}) {{')
     total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
     para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
@@ -434,7 +447,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
 
     if kernel.kind == "pointwise":
         _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_inner_stage(em, plan, plan.members),
-                    short_inner=_interleaves_short_inner(plan))
+                    short_inner=short_inner)
     elif not plan.outer:
         _emit_outer_body(em, plan, para_inner=para)
     elif column_plan(plan):
