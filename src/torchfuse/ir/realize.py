@@ -29,7 +29,7 @@ import torch.fx as fx
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
 from .lowering import (_ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _is_view, _misaligned, aligned_bias_layout, shape_of,
                        is_dense, layout_of, meta_val)
-from .nodes import Node, const, cost, unit_move, var
+from .nodes import EXPENSIVE_OPS, Node, const, cost, unit_move, var
 from .nodes import loads as _loads, walk as _walk
 
 log = logging.getLogger("torchfuse.lowering")
@@ -65,9 +65,7 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
 
 
 # transcendentals: a vectorized sin costs tens of cycles a lane (sqrt, division: a few)
-_TRANSCENDENTAL = frozenset({"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sin", "cos", "tan", "asin",
-                             "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "erf",
-                             "erfc", "erfinv", "lgamma", "digamma", "pow", "atan2"})
+_TRANSCENDENTAL = EXPENSIVE_OPS - {"truediv", "sqrt", "rsqrt", "hypot", "fmod", "remainder"}
 # a reader computing this many elements per element of the value, the readers this many in all
 # (fewer cost less than the kernel call that stores the value): storing it pays
 BROADCAST_RECOMPUTE_FACTOR = 4

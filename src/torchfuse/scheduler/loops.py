@@ -94,7 +94,7 @@ def _divisors_used(members: list[Member], name: str, size: int) -> set[int]:
     """Constant divisors c of `size` with which an access unflattens var `name` (`... // c`, `... % c`)."""
     found: set[int] = set()
     for m in members:
-        for e in [m.store] + [ld.args[0] for ld in loads(m.body)] + [m.body]:
+        for e in (m.store, m.body):          # (the body holds its loads' indices)
             for n in walk(e):
                 if n.op in ("floordiv", "mod") and n.args[1].op == "const":
                     c = n.args[1].arg
