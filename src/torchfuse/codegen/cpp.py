@@ -436,7 +436,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     short_inner = kernel.kind == "pointwise" and _interleaves_short_inner(plan)
     # the vars a vector loop may run over: the innermost of each loop nest (and the one around a
     # short innermost loop)
-    lane_vars = {f"x{len(plan.outer) - 1}", f"y{len(plan.inner) - 1}"}
+    lane_vars = {f"{prefix}{len(dims) - 1}" for prefix, dims in (("x", plan.outer), ("y", plan.inner)) if dims}
     if short_inner:
         lane_vars.add(f"x{len(plan.outer) - 2}")
     em = Emitter(buffer_dtypes, int32_buffers, frozenset(lane_vars))
@@ -503,7 +503,7 @@ def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: st
         simd_at = depth - 2 if short_inner and depth > 1 else depth - 1
     for j, (name, size) in enumerate(zip(names, sizes)):
         if j == 0 and para is not None:
-            collapse = simd_at if simd_at is not None and simd_at > 0 else (depth if simd_at is None else 1)
+            collapse = depth if simd_at is None else max(simd_at, 1)     # the loops outside the simd one
             clause = f" collapse({collapse})" if collapse > 1 else ""
             simd = " simd" if simd_at == 0 else ""
             em.line(f"#pragma omp parallel for{simd}{clause}{reduction_clause} {para}")
