@@ -120,6 +120,10 @@ class Config:
     written to memory) only if its expression costs at most this much (see ir.nodes.cost)."""
     max_fusion_size: int = 64
     """Upper bound on buffers in one kernel, to keep compile time and register pressure sane."""
+    cat_in_place: bool = True
+    """A concatenation whose parts are stored anyway (an RNN's hidden states, read by the next
+    step's matmul) gets its result allocated first and each part written straight into its
+    slice: no copy, and one buffer instead of two (ir/cat_slots.py)."""
 
     split_reductions: bool = True
     """Reduce few long rows (x.sum(), [8, 8M].sum(1), column sums of [8M, 8]) in two kernels:

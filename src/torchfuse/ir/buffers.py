@@ -87,6 +87,7 @@ class ComputedValue(TensorValue):
         self.meta: torch.Tensor | None = None    # the fx node's fake tensor, when it stands for one
         self.origins: list[str] = []             # the fx nodes fused into this value
         self.window = False                      # reads a window of its input per element (pooling)
+        self.slot: tuple[Any, int, int | None] | None = None   # stored into that slice of a cat (cat_slots.py)
 
     def load(self, idx: Sequence[Node]) -> Node:
         return self.fn(idx)
@@ -156,10 +157,13 @@ class BufferRef:
 
 @dataclass
 class AliasView:
-    """A graph value that is a view of a realized buffer, made at run time with as_strided."""
+    """A graph value that is a view of a realized buffer, made at run time with as_strided.
+    `after`: buffers that live in `base`'s storage (a concatenation's parts, written into their
+    slices) and must all be written before the view is made."""
     name: str
     base: str
     layout: Layout
+    after: tuple[str, ...] = ()
 
 
 @dataclass
@@ -171,6 +175,8 @@ class LoweredGraph:
     outputs: list[Any]                                 # buffer name, ("sym", Node), ("const", v) or None
     buffer_meta: dict[str, tuple[tuple[Node, ...], tuple[Node, ...], torch.dtype, torch.device]]
     mutations: list[tuple[str, str]] = field(default_factory=list)   # (input buffer, new value buffer)
+    # buffers allocated as a slice of another: {part: (concatenation buffer, offset in elements)}
+    slices: dict[str, tuple[str, Node]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = ["inputs: " + ", ".join(name for name, _ in self.inputs)]

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 
 from .buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
+from .cat_slots import cat_in_place
 from .lower_pointwise import bcast_load, register, upcast
 from .lowering import GraphLowering, _hint, layout_of, meta_val, shape_of, sym_to_node
 from .nodes import INDEX, Node, cast, const, cost, floordiv, load, mod, op, var, where
@@ -356,6 +357,9 @@ def _cat(lw, tensors, dim=0):
     dim = _norm(dim, len(out_shape))
     parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == const(0) and len(out_shape) != 1)]
     dtype = lw.out_dtype()
+    in_place = cat_in_place(lw, tensors)     # some part was stored into its slice already
+    if in_place is not None:
+        return in_place
     cpp = lw.device is not None and lw.device.type == "cpu" and lw.config.cpu_backend == "cpp"
     limit = CAT_MAX_FUSED_PARTS_CPP if cpp else CAT_MAX_FUSED_PARTS
     if len(parts) > limit:

@@ -19,6 +19,7 @@ import torch.fx as fx
 from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
+from .cat_slots import plan_cat_slots, slot_layout
 from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var
 
 log = logging.getLogger("torchfuse.lowering")
@@ -301,6 +302,11 @@ class GraphLowering:
         self._realized: dict[int, tuple[ComputedValue, StridedValue]] = {}
         self._aligned_copies: dict[tuple, StridedValue] = {}    # (buffer, layout) -> its aligned copy
         self._broadcast_biases: dict[int, tuple] = {}    # id(bias) -> (bias, its stored view)
+        # concatenations written in place (cat_slots.py): each one's plan, the part nodes that may
+        # be stored into their slices, and the buffers stored so: {part: (cat buffer, offset)}
+        self.cat_plans: dict[fx.Node, Any] = {}
+        self.cat_slot_of: dict[fx.Node, tuple[fx.Node, int, int | None]] = {}
+        self.slices: dict[str, tuple[str, Node]] = {}
 
     # -- helpers used by the op lowerings ---------------------------------------------------
     def new_name(self, prefix: str = "buf") -> str:
@@ -335,6 +341,9 @@ class GraphLowering:
             else None
         if key in self._reductions:
             return self._reductions[key]
+        slot = slot_layout(self, value, layout) if reduction is None else None
+        if slot is not None:
+            layout = slot[0]
         if layout is None:
             meta = getattr(value, "meta", None)
             if reduction is None and meta is not None and is_dense(meta) and shape_of(meta) == ranges:
@@ -347,6 +356,8 @@ class GraphLowering:
         buf = ComputedBuffer(name, value.dtype, layout, ranges, body, red_op, tuple(red_ranges), origins)
         self.steps.append(buf)
         self.buffer_meta[name] = (layout.sizes, layout.strides, value.dtype, self.device)
+        if slot is not None:
+            self.slices[name] = slot[1:]
         result = StridedValue(name, layout, value.dtype)
         if key is not None:
             self._reductions[key] = result
@@ -388,6 +399,8 @@ class GraphLowering:
         out_node = next(n for n in graph.nodes if n.op == "output")
         fx.node.map_arg(out_node.args, self.output_nodes.add)
         self.device = graph_device(meta_val(n) for n in graph.find_nodes(op="placeholder"))
+        if self.config.cat_in_place:
+            self.cat_slot_of = plan_cat_slots(self)
         placeholder_pos = 0
         for node in graph.nodes:
             self.current = node
@@ -403,7 +416,7 @@ class GraphLowering:
             else:
                 raise Unsupported(f"fx node kind {node.op}")
         self.current = None
-        return LoweredGraph(self.inputs, self.symbols, self.steps, outputs, self.buffer_meta)
+        return LoweredGraph(self.inputs, self.symbols, self.steps, outputs, self.buffer_meta, slices=self.slices)
 
     def _bind_symbol(self, value: Any, pos: int, kind: str, dim: int) -> None:
         if isinstance(value, torch.SymInt):
@@ -522,6 +535,8 @@ class GraphLowering:
         meta = meta_val(node)
         if isinstance(meta, torch.Tensor) and shape_of(meta) == value.shape:
             value.meta = meta
+        if node in self.cat_slot_of:
+            value.slot = self.cat_slot_of[node]     # stored (if at all) into its slice of a cat
         from .realize import broadcast_only_for_kernels, channels_last_inputs, should_store
         if all(u.op == "output" for u in node.users) and node.users and not _is_view(node):
             # A value only the graph returns (an activation the forward saves for the backward)

@@ -166,6 +166,7 @@ class WrapperBuilder:
         # read by the matmul of every time step): made once, named, dropped after the last reader
         self.shared_views: dict[str, tuple[str, int]] = {}     # view text -> (name, last step)
         self.views_made: set[str] = set()
+        self.slice_bases: set[str] = set()    # concatenation buffers allocated so far (_alloc_slice)
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -262,6 +263,8 @@ class WrapperBuilder:
                         _, _, dtype, device = self.program.buffer_meta[m.buffer.name]
                         L.append(f"    {m.buffer.name} = {self.const(_placeholder)}({self.const(device)}, "
                                  f"{self.const(dtype)})   # held in registers, never written")
+                    elif m.buffer.name in p.slices:
+                        self._alloc_slice(m.buffer.name)
                     elif m.buffer.name in self.stored:
                         if donor is not None and m.buffer.name == donor[0]:
                             L.append(f"    {m.buffer.name} = {donor[1]}   # in place: {donor[1]} dies here")
@@ -347,7 +350,7 @@ class WrapperBuilder:
         self._shared: set[str] = set(self.outputs)
         for item in self.items:
             if isinstance(item, AliasView):
-                self._shared |= {item.base, item.name}
+                self._shared |= {item.base, item.name, *item.after}
             elif isinstance(item, FallbackCall) and not _returns_fresh(item.target):
                 self._shared |= set(_step_refs(item, self.kernel_args)) | {o for o in item.outputs if o is not None}
         fresh = {o for item in self.items if isinstance(item, FallbackCall) and _returns_fresh(item.target)
@@ -381,6 +384,7 @@ class WrapperBuilder:
             inp, buf = dst.buffer, src.buffer
             kpos, kernel = kernel_of[buf]
             if (buf not in self.stored or buf in self.outputs or buf in into or inp in into.values()
+                    or buf in self.program.slices
                     or last_use.get(buf) != cpos or not set(readers.get(buf, ())) <= {kpos, cpos}
                     or any(r > kpos and r != cpos for r in readers.get(inp, ()))
                     or any(isinstance(it, AliasView) and it.base == inp for it in self.items)
@@ -411,6 +415,8 @@ class WrapperBuilder:
         if not stored:
             return None
         target = stored[-1]
+        if target.buffer.name in self.program.slices:
+            return None
         if kernel.kind != "pointwise" and target.role != "inner":
             return None
         # (A reduction's elementwise output, a softmax's probabilities over its scores: a row is
@@ -445,6 +451,17 @@ class WrapperBuilder:
                     and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
                 return target.buffer.name, name
         return None
+
+    def _alloc_slice(self, name: str) -> None:
+        """A buffer stored into its slice of a concatenation's buffer (allocated here by the first
+        of its parts that is written): a view, never a donor or taker of storage."""
+        base, offset = self.program.slices[name]
+        if base not in self.slice_bases:
+            self.slice_bases.add(base)
+            self._alloc(base)
+        sizes, strides, _, _ = self.program.buffer_meta[name]
+        self.lines.append(f"    {name} = {self.view(base, Layout(sizes, strides, offset))}")
+        self.memory.share(name, base)
 
     def _alloc(self, name: str) -> None:
         self.memory.alloc(name, self.program.buffer_meta[name])
@@ -527,8 +544,8 @@ class WrapperBuilder:
                 for b in bufs:
                     last[b] = pos
             elif isinstance(item, AliasView):
-                last[item.base] = pos
-                last[item.name] = pos
+                for name in (item.base, item.name, *item.after):
+                    last[name] = pos
             elif isinstance(item, FallbackCall):
                 visit(item.args, pos)
                 visit(list(item.kwargs.values()), pos)
@@ -567,7 +584,7 @@ def _step_refs(item: Any, kernel_args: dict[str, tuple[list[str], list[str]]]) -
     if isinstance(item, Kernel):
         return kernel_args[item.name][0]
     if isinstance(item, AliasView):
-        return [item.base]
+        return [item.base, *item.after]
     refs: list[str] = []
     if isinstance(item, FallbackCall):
         _buffer_refs((item.args, list(item.kwargs.values())), refs)

@@ -444,7 +444,8 @@ def buffer_readers(sched: Schedule, program: LoweredGraph) -> dict[str, set[str]
             visit(item.args)
             visit(list(item.kwargs.values()))
         elif isinstance(item, AliasView):
-            readers.setdefault(item.base, set()).add("aten")
+            for name in (item.base, *item.after):     # (a cat's parts: stored, never in registers)
+                readers.setdefault(name, set()).add("aten")
     for o in program.outputs:
         if isinstance(o, str):
             readers.setdefault(o, set()).add("output")
