@@ -91,7 +91,8 @@ def plan_cat_slots(lw: "GraphLowering") -> dict[fx.Node, tuple[fx.Node, int, int
             if a.target is aten.unsqueeze.default and isinstance(a.args[0], fx.Node) and len(a.users) == 1:
                 a, squeezed = a.args[0], a.args[1] % out.ndim
             if (a.op == "call_function" and a not in lw.output_nodes and a not in slot_of
-                    and counts.get(a, 1) == 1 and m.dtype == out.dtype and m.device == out.device):
+                    and counts.get(a, 1) == 1 and m.dtype == out.dtype and m.device == out.device
+                    and _readers_take_strides(a, cat)):
                 slot_of[a] = (cat, pos, squeezed)
         lw.cat_plans[cat] = CatPlan(layout, out.dtype, offsets, sizes)
     return slot_of
@@ -109,6 +110,30 @@ def _read_from_memory(node: fx.Node) -> bool:
         if _is_view(u) and _read_from_memory(u):
             return True
     return False
+
+
+# ATen readers that take a slice as it is: BLAS reads rows a leading dimension apart.  Others
+# (a convolution, CPU pooling) copy a tensor with gaps to a dense one first, or run slower on it:
+# a U-Net's skip connection, read by max-pool and concatenated, ran 5% slower in place.
+_STRIDED_ATEN_READERS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+# lowered, but through ATen on some backends (pooling on the C++ one)
+_MAYBE_ATEN = frozenset({aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default,
+                         aten.avg_pool2d.default, aten.avg_pool2d_backward.default})
+
+
+def _readers_take_strides(node: fx.Node, cat: fx.Node) -> bool:
+    """Do all of `node`'s readers besides `cat` (through views) read a slice with gaps between
+    its rows as fast as a dense buffer: generated kernels (any strides) and BLAS calls?"""
+    from .lowering import LOWERINGS, _is_view
+    for u in node.users:
+        if u is cat or u.target in _STRIDED_ATEN_READERS:
+            continue
+        if _is_view(u):
+            if not _readers_take_strides(u, cat):
+                return False
+        elif u.op != "call_function" or u.target not in LOWERINGS or u.target in _MAYBE_ATEN:
+            return False
+    return True
 
 
 def _dim_order(layout: Layout) -> list[int] | None:
