@@ -336,3 +336,30 @@ def test_looped_reduction_with_two_row_outputs_takes_one_storage(tmp_path):
     torch.testing.assert_close(e.output[0], ref[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(e.output[1], ref[1], rtol=1e-4, atol=1e-6)
     assert _wrappers(tmp_path).count("# in place:") == 1
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_state_before_a_concatenation_slice_takes_the_old_states_storage(tmp_path, backend):
+    """An LSTM step stores the cell state c and then h, straight into its slice of the stacked
+    outputs (ir/cat_slots.py).  The slice takes no storage; c takes the dying c's, and h, which
+    reads c's new value, gets it from the kernel's registers, not from the overwritten buffer."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    w = torch.randn(8, 32) / 3
+
+    def fn(x):
+        h = c = x.new_zeros(x.shape[0], 8)
+        outs = []
+        for t in range(x.shape[1]):
+            i, f, g, o = (x[:, t] + h @ w).chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            outs.append(h)
+        return torch.stack(outs, 1).flatten(0, 1) @ w
+
+    x = torch.randn(3, 6, 32)
+    e = torchfuse.explain(fn, x, options={**BACKENDS[backend], "debug": True, "debug_dir": tmp_path})
+    torch.testing.assert_close(e.output, fn(x), rtol=1e-5, atol=1e-5)
+    src = _wrappers(tmp_path)
+    assert "cat" in src and src.count("# in place:") >= 4, src

@@ -410,13 +410,17 @@ class WrapperBuilder:
         touching fresh memory; on GPU the allocator's peak."""
         if kernel.kind != "pointwise" and not self.reductions_in_place:
             return None
-        # the last stored member: every load of the kernel is emitted before its store
+        # the last stored member: every load of the kernel is emitted before its store.  A
+        # concatenation's slice takes no storage: in a pointwise kernel the stored member before
+        # it may (an LSTM step stores c, then h into the stack), if no member after it loads
+        # the donor, which it has overwritten by then
         stored = [m for m in kernel.members if m.buffer.name in self.stored]
-        if not stored:
+        while stored and stored[-1].buffer.name in self.program.slices and kernel.kind == "pointwise":
+            stored.pop()
+        if not stored or stored[-1].buffer.name in self.program.slices:
             return None
         target = stored[-1]
-        if target.buffer.name in self.program.slices:
-            return None
+        loaded_later = {ld.arg for m in kernel.members[kernel.members.index(target) + 1:] for ld in _ir_loads(m.body)}
         if kernel.kind != "pointwise" and target.role != "inner":
             return None
         # (A reduction's elementwise output, a softmax's probabilities over its scores: a row is
@@ -448,6 +452,7 @@ class WrapperBuilder:
                 return None
         for name, indices in reads.items():
             if (name in own and name in reusable and name not in self._shared and last_use.get(name) == pos
+                    and name not in loaded_later
                     and indices == {target.store} and self.program.buffer_meta.get(name) == meta):
                 return target.buffer.name, name
         return None
