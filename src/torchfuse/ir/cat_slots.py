@@ -1,8 +1,8 @@
 """Concatenations written in place: each part stored straight into its slice of the result.
 
-A part that must be in memory anyway (an RNN's hidden state, read by the next step's matmul; a
-conv block's output, read by the next block and concatenated by a DenseNet) used to be stored in
-a buffer of its own and then copied into the concatenation.  Here the concatenation's buffer is
+A part that must be in memory anyway (an RNN's hidden state, read by the next step's matmul
+and stacked for the next layer) used to be stored in a buffer of its own and then copied into
+the concatenation.  Here the concatenation's buffer is
 allocated when its first part is stored, every part is stored into its slice (with the result's
 strides), and the concatenation itself is a view of that buffer made once all parts are written
 (an `AliasView` whose `after` lists them): no copy, and one buffer instead of two.  Inductor does
@@ -14,7 +14,9 @@ value nobody else needed in memory) are then computed or copied into their slice
 concatenation none of whose parts got stored keeps the fused lowering (lower_views._cat).
 
 Only parts the graph does not return are placed: the result's other slices are written by other
-kernels, so a returned part would alias storage the caller does not know is shared.
+kernels, so a returned part would alias storage the caller does not know is shared.  And only
+parts whose other readers take a slice with gaps as they take a dense buffer (kernels, BLAS):
+a convolution or CPU pooling would copy it or run slower.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.fx as fx
 
-from .buffers import AliasView, ComputedValue, Layout, StridedValue, TensorValue
+from .buffers import AliasView, ComputedValue, Layout, StridedValue, TensorValue, Unsupported
 from .nodes import Node, cast, const
 
 if TYPE_CHECKING:
@@ -66,7 +68,7 @@ def plan_cat_slots(lw: "GraphLowering") -> dict[fx.Node, tuple[fx.Node, int, int
                 # only channels-last convolutions read it: stored so (as lowering's
                 # _realize_channels_last would store a fused cat), not copied there afterwards
                 layout = channels_last_layout(layout.sizes)
-        except Exception:      # a size the loop IR cannot express
+        except Unsupported:    # a size the loop IR cannot express
             continue
         stride = layout.strides[dim]
         offsets: list[Node | None] = []
