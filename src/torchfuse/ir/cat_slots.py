@@ -150,8 +150,8 @@ def slot_layout(lw: "GraphLowering", value: TensorValue, wanted: Layout | None) 
     """(layout, concatenation buffer, offset) for storing `value` into the slice it was planned
     for (`value.slot`), or None: no plan, a shape that differs from the part's, or a layout
     asked for in another dim order (a channels-last convolution's input of an NCHW cat)."""
-    slot = getattr(value, "slot", None)
-    if slot is None or not lw.config.cat_in_place:
+    slot = getattr(value, "slot", None)     # (set only where plan_cat_slots planned a cat)
+    if slot is None:
         return None
     cat, pos, squeezed = slot
     plan = lw.cat_plans.get(cat)

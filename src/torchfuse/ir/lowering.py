@@ -19,7 +19,7 @@ import torch.fx as fx
 from ..config import Config
 from .buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout,
                       LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
-from .cat_slots import plan_cat_slots, slot_layout
+from .cat_slots import CatPlan, plan_cat_slots, slot_layout
 from .nodes import INDEX, Node, const, floordiv, mod, op, sym, var
 
 log = logging.getLogger("torchfuse.lowering")
@@ -304,7 +304,7 @@ class GraphLowering:
         self._broadcast_biases: dict[int, tuple] = {}    # id(bias) -> (bias, its stored view)
         # concatenations written in place (cat_slots.py): each one's plan, the part nodes that may
         # be stored into their slices, and the buffers stored so: {part: (cat buffer, offset)}
-        self.cat_plans: dict[fx.Node, Any] = {}
+        self.cat_plans: dict[fx.Node, CatPlan] = {}
         self.cat_slot_of: dict[fx.Node, tuple[fx.Node, int, int | None]] = {}
         self.slices: dict[str, tuple[str, Node]] = {}
 
