@@ -1,5 +1,6 @@
 """A/B one torchfuse option on zoo rows: Inductor, torchfuse, and torchfuse with the option
-changed, timed interleaved in one process (CUDA events on the GPU), outputs compared with eager.
+changed, timed interleaved in one process (cpu_bench's interleaved blocks, synchronized on the
+GPU), outputs compared with Inductor's.  option_ab.py is the GPU inference A/B with peak memory.
 
     python benchmarks/probes/option_ab_zoo.py --device cuda --rows gru:infer,gru:train \
         --options '{"cat_in_place": false}'
@@ -9,30 +10,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cpu_bench import _time_interleaved  # noqa: E402
 from zoo import TrainStep  # noqa: E402
 from zoo_models import BY_NAME  # noqa: E402
 
 
-def _timed(fn, device: str) -> float:
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
-
-
-def run_row(name: str, mode: str, device: str, options: dict, rounds: int) -> dict:
+def run_row(name: str, mode: str, device: str, options: dict, budget: float) -> dict:
     zm = BY_NAME[name]
     size = "gpu" if device == "cuda" else "cpu"
     fns, outs = {}, {}
@@ -53,14 +41,9 @@ def run_row(name: str, mode: str, device: str, options: dict, rounds: int) -> di
             out = fn()
             out = out[0] if isinstance(out, (tuple, list)) else out
             outs[key] = getattr(out, "logits", out).float()
-        for _ in range(3):
-            fn()
         fns[key] = fn
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            times[key].append(_timed(fn, device))
-    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    med = {k: seconds * 1e3 for k, seconds in _time_interleaved(fns, (), budget, sync).items()}
     err = {k: (outs[k] - outs["inductor"]).abs().max().item() for k in outs}
     return {"row": f"{name} {mode}", "ms": med, "max_abs_diff_vs_inductor": err,
             "ind/tf": med["inductor"] / med["torchfuse"], "ind/changed": med["inductor"] / med["torchfuse_changed"]}
@@ -71,13 +54,13 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rows", required=True, help="name:infer|train, comma-separated")
     ap.add_argument("--options", required=True, help="JSON dict of the changed torchfuse options")
-    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds of timing per row")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
     for row in args.rows.split(","):
         name, mode = row.split(":")
-        r = run_row(name, mode, args.device, json.loads(args.options), args.rounds)
+        r = run_row(name, mode, args.device, json.loads(args.options), args.budget)
         results.append(r)
         print(json.dumps(r), flush=True)
     if args.out:
