@@ -288,7 +288,7 @@ def main() -> None:
             f.write(text + "\n")
         with open(os.path.splitext(a.out)[0] + "_errors.txt", "w") as f:
             f.write("\n\n".join(ERRORS) + "\n")
-        from torchfuse.runtime import triton_launch
+        from torchfuse.backends.triton import launch as triton_launch
         with open(os.path.splitext(a.out)[0] + "_tuned.txt", "w") as f:
             f.write("\n".join(f"{k} -> {v}" for k, v in sorted(triton_launch._tuned.items())) + "\n")
 

@@ -11,7 +11,7 @@ import torch
 
 import torchfuse
 from torchfuse.config import Config
-from torchfuse.runtime import cpp_build
+from torchfuse.backends.cpp import build as cpp_build
 
 
 @pytest.mark.parametrize("options, says", [
@@ -65,7 +65,7 @@ def test_unwritable_debug_folder_warns_once_and_compiles(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("TORCHFUSE_DEBUG", str(blocker / "debug"))
-    from torchfuse.runtime import compiled_graph
+    from torchfuse import pipeline as compiled_graph
     monkeypatch.setattr(compiled_graph, "_debug_warned", False)
     fn = lambda x: torch.relu(x) * 2  # noqa: E731
     with warnings.catch_warnings(record=True) as caught:

@@ -160,8 +160,8 @@ def test_custom_op_falls_back_then_fuses_after_decomposition():
 
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_custom_op_fuses_after_a_lowering(backend):
-    from torchfuse.ir.lower_pointwise import pointwise
-    from torchfuse.ir.lowering import LOWERINGS
+    from torchfuse.lowering.pointwise import pointwise
+    from torchfuse.lowering.graph import LOWERINGS
     from torchfuse.ir.nodes import const
     from torchfuse.ir.nodes import op as ir
 
@@ -214,8 +214,8 @@ def _(x):
 def test_custom_reduction_fuses_after_a_lowering(backend):
     """A custom reduction lowered with the built-in `reduction` helper: its producer (x * 2 + 1)
     and its consumer (sqrt) fuse around it, one kernel."""
-    from torchfuse.ir.lower_reduce import reduction
-    from torchfuse.ir.lowering import LOWERINGS
+    from torchfuse.lowering.reduce import reduction
+    from torchfuse.lowering.graph import LOWERINGS
     from torchfuse.ir.nodes import op as ir
 
     if backend == "triton":

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import gpu_bench  # noqa: E402  (fresh caches, set before torch is imported)
 import torch  # noqa: E402
 
-from torchfuse.runtime import triton_launch  # noqa: E402
+from torchfuse.backends.triton import launch as triton_launch  # noqa: E402
 from torchfuse.scheduler import split  # noqa: E402
 
 SHAPES = [(8192, 2304), (2048, 768), (2048, 3072), (2047, 1000), (32768, 768), (8 << 20, 8), (4096, 50257)]

@@ -20,7 +20,7 @@ from compile_profile import _count_triton_compiles, row_parser, zoo_row  # noqa:
 import torch  # noqa: E402
 
 import torchfuse  # noqa: E402
-from torchfuse.runtime.compile_workers import triton_settings  # noqa: E402
+from torchfuse.backends.triton.compile_workers import triton_settings  # noqa: E402
 
 
 def main() -> None:

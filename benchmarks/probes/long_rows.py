@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from torchfuse.runtime import triton_launch  # noqa: E402
+from torchfuse.backends.triton import launch as triton_launch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pointwise_config import inductor_config  # noqa: E402
@@ -253,7 +253,7 @@ def form_rows(copy_gbs, out):
 
 def mask_rows(out):
     """torchfuse with and without dropping the masks of static sizes that the block divides."""
-    from torchfuse.codegen import triton as codegen
+    from torchfuse.backends.triton import codegen
     original = codegen._emit_mask
 
     def always(em, mask, index, numel, block, shape):

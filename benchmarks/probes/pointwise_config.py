@@ -18,7 +18,7 @@ import gpu_bench  # noqa: E402  (GPU-only timing by CUDA-graph replay, shared wi
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torchfuse.runtime import triton_launch  # noqa: E402
+from torchfuse.backends.triton import launch as triton_launch  # noqa: E402
 
 FNS = {"gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
        "chain": lambda x: ((x * 1.5 + 0.3).relu() * 0.7).sigmoid()}

@@ -38,7 +38,7 @@ class Config:
     """Where `debug` writes (TORCHFUSE_DEBUG=<folder> sets both)."""
     progress: bool = True
     """A compile running longer than 2 s shows one progress line (elapsed time, graphs, stage) on
-    stderr when stderr is a terminal (runtime/progress.py)."""
+    stderr when stderr is a terminal (progress.py)."""
 
     # --- kernel cache / C++ toolchain -------------------------------------------------------
     cache_dir: Path = field(default_factory=_default_cache_dir)
@@ -123,7 +123,7 @@ class Config:
     cat_in_place: bool = True
     """A concatenation whose parts are stored anyway (an RNN's hidden states, read by the next
     step's matmul) gets its result allocated first and each part written straight into its
-    slice: no copy, and one buffer instead of two (ir/cat_slots.py)."""
+    slice: no copy, and one buffer instead of two (lowering/cat_slots.py)."""
 
     split_reductions: bool = True
     """Reduce few long rows (x.sum(), [8, 8M].sum(1), column sums of [8M, 8]) in two kernels:
@@ -136,7 +136,7 @@ class Config:
     compile_workers: int = 0
     """Worker processes that compile a graph's Triton kernels in parallel before its first call
     (0: one per CPU core, at most 16; 1: compile each kernel on its first launch, as Triton
-    does).  See runtime/compile_workers.py."""
+    does).  See backends/triton/compile_workers.py."""
 
     # --- backends ---------------------------------------------------------------------------
     cpu_backend: str = "cpp"

@@ -41,7 +41,7 @@ class Counters(collections.Counter):
     def __init__(self) -> None:
         super().__init__()
         self.seconds: collections.Counter = collections.Counter()
-        # told the name of each stage as it starts, while a compile shows progress (runtime/progress.py)
+        # told the name of each stage as it starts, while a compile shows progress (progress.py)
         self.on_stage: Callable[[str], None] | None = None
 
     _lock = threading.Lock()

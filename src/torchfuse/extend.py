@@ -15,7 +15,7 @@ from the graph as it was before it.
 A custom operator (`torch.library.custom_op`) runs through ATen until torchfuse is told how to
 fuse it.  A decomposition (aten ops, applied while AOTAutograd traces, so gradients follow) is
 the simple way; a lowering writes the loop IR directly, with the helpers the built-in lowerings
-use (`torchfuse.ir.lower_pointwise.pointwise`, `torchfuse.ir.nodes.op`): see the README.
+use (`torchfuse.lowering.pointwise.pointwise`, `torchfuse.ir.nodes.op`): see the README.
 Registrations are process-wide; register before compiling.
 """
 from __future__ import annotations
@@ -73,6 +73,6 @@ def register_lowering(op: Any, fn: Callable) -> None:
     built-in lowerings in torchfuse/ir/ do (e.g. `pointwise(lw, [x], lambda a: ...)`)."""
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(f"torchfuse: register_lowering needs an OpOverload, not {op!r}")
-    from .ir.lowering import register
+    from .lowering.graph import register
     register(op)(fn)
     _forget(op)

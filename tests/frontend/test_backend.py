@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import torchfuse
 from torchfuse import counters
-from torchfuse.runtime.cpp_build import clear_memory_cache
+from torchfuse.backends.cpp.build import clear_memory_cache
 
 COUNTER_KEYS = ("graphs_compiled", "kernels_generated", "kernel_builds", "cache_hits_disk",
                 "cache_hits_memory", "fallback_ops", "eager_fallbacks", "compiled_graph_loads")

@@ -124,7 +124,7 @@ def test_channels_last_copy_of_the_input_is_not_saved(monkeypatch):
     """The images' channels-last copy feeds the stem's convolution, whose weight gradient reads
     it again: the backward recomputes it from the input (held by the caller anyway) instead of
     the forward saving a second copy of the batch for the whole step."""
-    import torchfuse.runtime.compiled_graph as cg
+    import torchfuse.pipeline as cg
     saved_shapes: list[tuple[int, ...]] = []
     real = cg.compile_graph
 

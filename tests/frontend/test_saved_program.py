@@ -171,7 +171,7 @@ def test_wrapper_allocators_pickle_as_the_call_that_made_them(device):
     import pickle
 
     from torchfuse.frontend.saved_program import _CodePickler
-    from torchfuse.runtime import wrapper
+    from torchfuse.codegen import wrapper
     dev = None if device is None else torch.device(device)
     calls = []
     real = wrapper._allocator.__wrapped__

@@ -181,7 +181,7 @@ def test_dropout_train_mask_consistent_with_grad():
 def _spy_saved_bytes(monkeypatch) -> list[int]:
     """Activation bytes each compiled forward graph saves for the backward: the values it computed
     (not its inputs or views of them)."""
-    import torchfuse.runtime.compiled_graph as cg
+    import torchfuse.pipeline as cg
     saved: list[int] = []
     real = cg.compile_graph
 

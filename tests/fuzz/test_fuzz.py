@@ -46,7 +46,7 @@ def test_triton_regression_files_run_under_the_interpreter(tmp_path):
 
 def test_check_catches_a_wrong_kernel(monkeypatch):
     """The harness is not vacuous: a code generator that emits `+` for `-` is caught."""
-    from torchfuse.codegen import cpp
+    from torchfuse.backends.cpp import codegen as cpp
     monkeypatch.setitem(cpp._INFIX, "sub", "+")
     prog = fuzz.Program([fuzz.InputSpec((3, 5), "float32", "transposed")], ["v0 = torch.sub(a0, 1.5)"], ["v0"])
     with pytest.raises(fuzz.Mismatch):

@@ -293,7 +293,7 @@ def test_in_place_and_large_kernels_get_direct_launchers():
     launch from a snapshot of its inputs, and one whose arguments are too large to snapshot
     (32 MiB) adopts the convention verified on a small one: both end on the direct launcher,
     with eager's results on every call."""
-    from torchfuse.runtime import triton_launch
+    from torchfuse.backends.triton import launch as triton_launch
     w = torch.randn(256, 256, device="cuda")
 
     def f(x, big):
@@ -315,7 +315,7 @@ def test_in_place_and_large_kernels_get_direct_launchers():
 def test_launch_convention_verified_once_per_kind(monkeypatch):
     """Verifying a direct launcher copies the kernel's arguments: done for the first kernel of a
     kind of launcher only, so a model's first call holds no copies of later kernels' inputs."""
-    from torchfuse.runtime import triton_launch
+    from torchfuse.backends.triton import launch as triton_launch
     monkeypatch.setattr(triton_launch, "_trusted", {})
     copies = []
     snapshot = triton_launch._snapshot
@@ -336,7 +336,7 @@ def test_launch_convention_verified_once_per_kind(monkeypatch):
 def test_kernels_too_large_to_verify_on_launch_directly(monkeypatch):
     """A model whose every kernel is too large to verify a launcher on (a ViT at batch 64) took
     Triton's slow launch path on every call: the convention is verified on the probe kernel."""
-    from torchfuse.runtime import triton_launch
+    from torchfuse.backends.triton import launch as triton_launch
     monkeypatch.setattr(triton_launch, "_trusted", {})
     monkeypatch.setattr(triton_launch, "_probed", set())
     monkeypatch.setattr(triton_launch, "_VERIFY_BYTES", 0)     # nothing of the model's is copied

@@ -43,7 +43,7 @@ def test_effect_token_input():
 def test_fallback_output_dtype_differs_from_fake():
     """PyTorch's fake _batch_norm_with_update_functional says fp32 running stats for fp16 inputs,
     eager returns fp16; the wrapper now casts an ATen fallback output to the dtype the kernels were
-    generated for (runtime/wrapper.py WrapperBuilder._fallback) instead of misreading it."""
+    generated for (codegen/wrapper.py WrapperBuilder._fallback) instead of misreading it."""
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 5, 3).half(), torch.randn(5).half(), torch.randn(5).half()
     rm, rv = torch.randn(5).half(), torch.rand(5).half()

@@ -44,7 +44,7 @@ def test_empty_repeat_reshape_roll(tf):
 
 def test_signbit_of_bf16_builds(tf):
     # OpInfo signbit (bfloat16): std::signbit of a float reinterpreted from bf16 bits crashed GCC 12's
-    # vectorizer (internal compiler error); codegen/cpp.py now emits tf_signbit (copysign + compare)
+    # vectorizer (internal compiler error); backends/cpp/codegen.py now emits tf_signbit (copysign + compare)
     specials = [-0.0, 0.0, float("nan"), -float("nan"), -1.5, 2.0, float("inf"), -float("inf")]
     for dt in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         x = torch.tensor(specials * 4, dtype=dt)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import torchfuse
-from torchfuse.runtime import cache_dir, cpp_build
+from torchfuse.runtime import cache_dir
+from torchfuse.backends.cpp import build as cpp_build
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX owners and modes")
 

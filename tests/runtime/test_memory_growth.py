@@ -24,7 +24,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import torchfuse  # noqa: E402,F401  (registers backend="torchfuse")
-from torchfuse.runtime import cpp_build, triton_launch  # noqa: E402
+from torchfuse.backends.cpp import build as cpp_build
+from torchfuse.backends.triton import launch as triton_launch  # noqa: E402
 
 SHAPES = [(3, n) for n in range(5, 15)]      # 10 distinct shapes: more than Dynamo's default 8 recompiles
 CACHE = 3

@@ -50,7 +50,7 @@ def decomposition_table(triton_on_cpu: bool | None = None) -> dict:
     also decomposes to the low-memory form where the Triton backend runs it: on CUDA always,
     on CPU when `cpu_backend="triton"` (the C++ backend leaves pooling to ATen)."""
     base = _base_table()
-    from ..ir.lower_pool import POOL_WITH_OFFSETS
+    from ..lowering.pool import POOL_WITH_OFFSETS
     if triton_on_cpu is None or POOL_WITH_OFFSETS is None or aten.max_pool2d_with_indices.default in base:
         return base     # (a user's own decomposition of max pooling wins)
     return {**base, aten.max_pool2d_with_indices.default: _max_pool_low_memory(triton_on_cpu)}
@@ -62,7 +62,7 @@ def _max_pool_low_memory(triton_on_cpu: bool):
     per pooled element (100 MB in a ResNet-50 step at batch 64), the offsets 1; the min-cut
     partitioner saves the offsets and recomputes the indices inside the backward's kernel.
     The same form as Inductor's decomposition."""
-    from ..ir.lower_pool import MAX_WINDOW, OFFSETS_TO_INDICES, POOL_WITH_OFFSETS, pair
+    from ..lowering.pool import MAX_WINDOW, OFFSETS_TO_INDICES, POOL_WITH_OFFSETS, pair
 
     def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
         if not (x.device.type == "cuda" or (triton_on_cpu and x.device.type == "cpu")):

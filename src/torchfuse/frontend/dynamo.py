@@ -14,7 +14,8 @@ import torch.fx as fx
 from ..report import Explanation
 from ..config import Config
 from ..counters import counters
-from ..runtime import cudagraphs, progress
+from ..runtime import cudagraphs
+from .. import progress
 from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
 from .decompositions import decomposition_table
 
@@ -30,7 +31,7 @@ class TorchfuseBackend:
 
     def _compile(self, kind: str, gm: fx.GraphModule, static: set[int], training: "cudagraphs.TrainingState") -> Callable:
         """One aten graph through torchfuse (and CUDA graphs under reduce-overhead)."""
-        from ..runtime.compiled_graph import compile_graph
+        from ..pipeline import compile_graph
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         # here, not when Dynamo calls the backend: a graph-cache hit compiles nothing, and sixteen
         # workers starting beside a warm start's Dynamo trace slowed it (resnet50: 2.7 vs 1.8 s)
@@ -79,7 +80,7 @@ class TorchfuseBackend:
                                    # input mutations stay in the graph as copy_ (inference graphs,
                                    # and in training the ones autograd cannot see: batch norm's
                                    # running statistics), so the kernel computing the new value
-                                   # writes the input itself (runtime/wrapper.py) instead of
+                                   # writes the input itself (codegen/wrapper.py) instead of
                                    # AOTAutograd copying each after
                                    keep_inference_input_mutations=True)
                 return aot(gm, example_inputs), cached
@@ -135,7 +136,7 @@ def _start_compile_workers(example_inputs: list, config: Config) -> None:
         return
     if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
         return
-    from ..runtime import compile_workers, triton_precompile
+    from ..backends.triton import compile_workers, precompile as triton_precompile
     try:
         if triton_precompile.enabled():
             from triton.runtime.driver import driver

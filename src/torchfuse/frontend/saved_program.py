@@ -111,7 +111,7 @@ def restore(blob: bytes, config: Config) -> Callable | None:
         log.info("torchfuse: stored generated code is from another torchfuse or torch; compiling the graph again")
         return None
     from ..passes.hoist_static import HoistedValues
-    from ..runtime.compiled_graph import DebugWriter, build_and_link
+    from ..pipeline import DebugWriter, build_and_link
     from ..runtime.static_values import StaticPrologue
     # the same build and link steps as compile_graph's, minus everything that produced their input
     call = build_and_link(payload["code"], config, DebugWriter(config, "loaded"))

@@ -10,7 +10,7 @@
 Design (see the modules for details):
 
 * `mode.LazyMode`, a TorchDispatchMode active inside the block, sees every aten op.  Fusible
-  ops (a lowering in `torchfuse.ir.lowering.LOWERINGS` or a torchfuse decomposition; not random,
+  ops (a lowering in `torchfuse.lowering.graph.LOWERINGS` or a torchfuse decomposition; not random,
   not mutating; strided tensors on one CPU/CUDA device) are recorded as `graph.LazyNode`s; so
   are matmuls, attention (without dropout), convolutions, cumsum and their backward ops,
   which run through ATen inside the compiled graph (`lazy(defer_matmuls=False)` runs them

@@ -390,7 +390,7 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ..frontend.decompositions import decomposition_table
-    from ..runtime.compiled_graph import compile_graph
+    from ..pipeline import compile_graph
     counters.bump("lazy_compiles")
     nleaves = len(leaves)
 

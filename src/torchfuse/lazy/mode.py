@@ -150,8 +150,8 @@ def _dropout_pos(func: Any) -> int | None:
 
 def _fusible_target(func: Any) -> bool:
     from ..frontend.decompositions import decomposition_table
-    from ..ir import lower_ops  # noqa: F401  (registers the lowerings)
-    from ..ir.lowering import LOWERINGS
+    from ..lowering import ops as lower_ops  # noqa: F401  (registers the lowerings)
+    from ..lowering.graph import LOWERINGS
     if not isinstance(func, torch._ops.OpOverload):
         return False
     schema = func._schema

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ir.lowering import REDUCTIONS
+from ..lowering.graph import REDUCTIONS
 from ._meta import create_node, val_of
 from .context import PassContext
 
@@ -59,7 +59,7 @@ def _pointwise_uses_only(node: fx.Node) -> bool:
             # U-Net's up-convolution concatenated with its skip: the fused cat kernel reads the
             # part through the bias add (a cat of more parts runs in ATen, which would add it in
             # a kernel of its own, as ATen's convolution does)
-            from ..ir.lower_views import CAT_MAX_FUSED_PARTS
+            from ..lowering.views import CAT_MAX_FUSED_PARTS
             if len(use.args[0]) > CAT_MAX_FUSED_PARTS:
                 return False
         elif use.target is aten._to_copy.default:

@@ -549,7 +549,7 @@ def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None 
         except Exception as e:
             torch._dynamo.reset()
             if "no Triton-interpreter implementation" in str(e):
-                # a libdevice function the CPU interpreter lacks (codegen/triton.py), not a bug
+                # a libdevice function the CPU interpreter lacks (backends/triton/codegen.py), not a bug
                 raise NotTorchfuse(str(e)) from e
             try:
                 torch.compile(fn, backend="aot_eager", dynamic=dynamic)(*copy.deepcopy(list(inputs)))

@@ -1,0 +1,832 @@
+"""Triton code generation: the same fused kernels (LoopPlan) as Triton JIT functions.
+
+Pointwise kernels are flat 1-D blocks over the merged loop nest, or 2-D [YBLOCK, XBLOCK] tiles
+(`<name>_tiled`) when an input is contiguous along another dim than the output (transposes).
+A reduction whose input is contiguous across rows (column sums) is flagged (`rows_contiguous`)
+so the launcher gives its looped variant several rows per tile.  Reduction kernels are 2-D
+tiles [XBLOCK rows, RBLOCK reduced elements] and come in two variants in one module:
+  persistent  the whole row is one tile: every stage reads the row from registers, so a softmax
+              or layer norm loads its input exactly once;
+  looped      rows longer than the persistent limit are walked in RBLOCK chunks per stage.
+The wrapper picks the variant and block sizes at run time from the actual sizes, so kernels are
+shape-generic.  fp16/bf16 are computed in fp32.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import torch
+
+from ...ir.nodes import INDEX, Node, free_syms, load, loads, to_text, walk
+from ...scheduler.loops import LoopPlan, _stride_of, rows_contiguous
+from ...codegen.common import ExprEmitter
+
+TL = {
+    torch.float32: "tl.float32", torch.float64: "tl.float64", torch.float16: "tl.float32",
+    torch.bfloat16: "tl.float32", torch.int64: "tl.int64", torch.int32: "tl.int32", torch.int16: "tl.int16",
+    torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
+}
+STORE_TL = {**TL, torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+
+HEADER_GPU = '''import triton
+import triton.language as tl
+try:
+    from triton.language.extra import libdevice
+except ImportError:  # older Triton
+    from triton.language.extra.cuda import libdevice
+'''
+
+# Triton's interpreter (CPU, used by CI) cannot call libdevice; these stand-ins are built from
+# the core ops it does run.  They are only as accurate as a correctness check needs.
+HEADER_INTERPRETER = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _expm1(x):
+    return tl.where(tl.abs(x) < 1e-5, x + 0.5 * x * x, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _log1p(x):
+    return tl.where(tl.abs(x) < 1e-4, x - 0.5 * x * x + x * x * x / 3.0, tl.log(1.0 + x))
+
+
+@triton.jit
+def _trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def _nearbyint(x):
+    r = tl.floor(x + 0.5)
+    tie = (r - x) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _fmod(a, b):
+    q = a / b
+    q = tl.where(q < 0, tl.ceil(q), tl.floor(q))
+    return a - q * b
+
+
+@triton.jit
+def _pow(a, b):
+    mag = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_int = tl.floor(b) == b
+    b_odd = b_int & ((b - 2.0 * tl.floor(b * 0.5)) != 0)
+    r = tl.where((a < 0) & b_odd, -mag, mag)
+    r = tl.where((a < 0) & (~b_int), mag - mag + (tl.full([1], 1e999, tl.float32) - tl.full([1], 1e999, tl.float32)), r)
+    return tl.where(b == 0, 1.0, r)
+
+
+class libdevice:
+    tanh = _tanh
+    expm1 = _expm1
+    log1p = _log1p
+    trunc = _trunc
+    nearbyint = _nearbyint
+    fmod = _fmod
+    pow = _pow
+'''
+log = logging.getLogger("torchfuse.triton")
+
+INTERPRETER_LIBDEVICE = {"tanh", "expm1", "log1p", "trunc", "nearbyint", "fmod", "pow"}
+
+HEADER_COMMON = '''
+
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.where((a != a) | (a > b), a, tl.where(b != b, b, b))
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where((a != a) | (a < b), a, tl.where(b != b, b, b))
+'''
+
+_LIBDEVICE = {
+    "expm1": "libdevice.expm1",
+    "log1p": "libdevice.log1p", "tan": "libdevice.tan", "asin": "libdevice.asin", "acos": "libdevice.acos",
+    "atan": "libdevice.atan", "sinh": "libdevice.sinh", "cosh": "libdevice.cosh", "tanh": "libdevice.tanh",
+    "asinh": "libdevice.asinh", "acosh": "libdevice.acosh", "atanh": "libdevice.atanh",
+    "lgamma": "libdevice.lgamma", "round": "libdevice.nearbyint", "trunc": "libdevice.trunc",
+    "signbit": "libdevice.signbit", "atan2": "libdevice.atan2", "copysign": "libdevice.copysign",
+    "hypot": "libdevice.hypot", "nextafter": "libdevice.nextafter",
+    "fmod": "libdevice.fmod",
+}
+_CORE = {"exp": "tl.exp", "exp2": "tl.exp2", "log2": "tl.log2", "log": "tl.log", "sqrt": "tl.sqrt", "sin": "tl.sin", "cos": "tl.cos", "erf": "tl.erf",
+         "floor": "tl.floor", "ceil": "tl.ceil", "sigmoid": "tl.sigmoid", "rsqrt": "tl.rsqrt"}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+          "gt": ">", "ge": ">=", "and": "&", "or": "|", "xor": "^", "bitand": "&", "bitor": "|", "bitxor": "^",
+          "lshift": "<<", "rshift": ">>"}
+
+
+# A NaN constexpr global breaks Triton's "global changed since compile" check (nan != nan), so
+# NaN is made at run time from the inf literal 1e999.
+NAN_EXPR = "(tl.full([1], 1e999, tl.float32) - tl.full([1], 1e999, tl.float32))"
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def literal(value, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return f"tl.full([1], {1 if value else 0}, tl.int1)"
+    if dtype.is_floating_point:
+        if math.isnan(value):
+            v = "float('nan')"
+        elif math.isinf(value):
+            v = "1e999" if value > 0 else "-1e999"
+        else:
+            v = repr(float(value))
+        if math.isnan(value):
+            return NAN_EXPR
+        return f"tl.full([1], {v}, {TL[dtype]})"
+    return f"tl.full([1], {int(value)}, {TL[dtype]})"
+
+
+def _only_constants(n: Node) -> bool:
+    """No load, loop variable or size symbol below `n`: Triton folds it to a Python number."""
+    return all(x.op == "const" for x in walk(n) if not x.args)
+
+
+class TritonEmitter(ExprEmitter):
+    """Node DAGs as Triton statements (see ExprEmitter for the shared CSE machinery)."""
+    INDENT = "    "
+    FLOORDIV = "//"
+
+    def __init__(self, buffers: dict[str, torch.dtype], indent: int = 1):
+        super().__init__(buffers, indent)
+        self.mask = "None"
+        self.interpreter = _interpreting()
+        self.unstored: set[str] = set()     # stored buffers this variant keeps in registers
+        self.static: set[str] = set()       # numels shadowed by their compile-time value
+        self.drop_masks = True              # may a static numel's mask be dropped (_emit_mask)
+        # Inside a looped variant's row loop: the L2 hint for loads of each buffer (see
+        # _eviction); None elsewhere (no hints).
+        self.evict: dict[str, str] | None = None
+
+    def literal(self, value, dtype: torch.dtype) -> str:
+        return str(int(value)) if dtype == INDEX else literal(value, dtype)
+
+    def declare(self, name: str, expr: str, dtype: torch.dtype | None) -> str:
+        return f"{name} = {expr}"
+
+    def masked(self, mask: str, value: str, dtype: torch.dtype) -> str:
+        return f"tl.where({mask}, {value}, 0)"
+
+    def _expr(self, n: Node) -> str:
+        expr = self._expr_of(n)
+        if ((n.op in _INFIX or n.op in ("neg", "floordiv", "mod")) and n.dtype in TL
+                and all(x.op == "const" and x.dtype == INDEX for x in n.args)):
+            # a temporary computed from literals alone (0 + 2: an int64 literal is printed bare)
+            # is a Python number in Triton: give it a dtype and a shape, as its users (.to(), a
+            # store) expect of every temporary
+            return f"tl.full([1], {expr}, {TL[n.dtype]})"
+        return expr
+
+    def _expr_of(self, n: Node) -> str:
+        o, a, dt = n.op, n.args, n.dtype
+        if o == "load":
+            mask = self.mask
+            if len(a) == 2:
+                own = self.value(a[1])
+                mask = own if mask == "None" else f"{mask} & {own}"
+            hint = ""
+            if self.evict is not None:
+                rowwise = any(v.op == "var" and v.arg.startswith("x") for v in walk(a[0]))
+                hint = f", eviction_policy='{self.evict.get(n.arg, 'evict_first') if rowwise else 'evict_last'}'"
+            raw = f"tl.load({n.arg} + ({self.index(a[0])}) + xzero, mask={mask}, other=0{hint})"
+            sdt = self.buffers[n.arg]
+            if sdt in (torch.float16, torch.bfloat16):
+                raw += ".to(tl.float32)"
+            elif sdt == torch.bool:
+                raw += ".to(tl.int1)"
+            return raw
+        if o == "cast":
+            inline = a[0].dtype == INDEX and a[0].op in ("add", "mul", "floordiv", "mod")
+            x = self.index(a[0]) if inline else self.value(a[0])
+            if a[0].dtype == INDEX and (inline or a[0].op == "const") and _only_constants(a[0]):
+                # an integer that a size substitution made constant (the element count of a
+                # batch-norm's statistics) or that folds from constants (0 + 2): Triton keeps it
+                # a Python int, which has no .to(), and `128.to(tl.float64)` does not even parse
+                x = f"tl.full([1], {x}, tl.int64)"
+            if dt == torch.bool:
+                return f"({x} != 0)"
+            if dt in (torch.float16, torch.bfloat16):
+                return f"{x}.to({STORE_TL[dt]}).to(tl.float32)"
+            return f"{x}.to({TL[dt]})"
+        if o in ("floordiv", "mod") and dt == INDEX:
+            return self.index(n)
+        if o == "where":
+            return f"tl.where({self.value(a[0])}, {self.value(a[1])}, {self.value(a[2])})"
+        if o in ("add", "mul") and len(a) > 2:
+            return "(" + f" {_INFIX[o]} ".join(self.value(x) for x in a) + ")"
+        if o in _INFIX and len(a) == 2:
+            x, y = self.value(a[0]), self.value(a[1])
+            if o == "truediv" and not dt.is_floating_point:
+                return f"({x}.to(tl.float32) / {y}.to(tl.float32))"
+            return f"({x} {_INFIX[o]} {y})"
+        if o == "neg":
+            return f"(-{self.value(a[0])})"
+        if o == "not":
+            return f"({self.value(a[0])} == 0)"
+        if o == "bitnot":
+            return f"(~{self.value(a[0])})"
+        if o == "abs":
+            return f"tl.abs({self.value(a[0])})"
+        if o == "relu":
+            x = self.value(a[0])
+            return f"tl.where({x} < 0, 0, {x}).to({TL[dt]})"
+        if o == "reciprocal":
+            return f"(1.0 / {self.value(a[0])})"
+        if o == "frac":
+            x = self.value(a[0])
+            return f"({x} - libdevice.trunc({x}))"
+        if o == "log10":
+            return f"(tl.log({self.value(a[0])}) * 0.4342944819032518)"
+        if o == "erfc":
+            return f"(1.0 - tl.erf({self.value(a[0])}))"
+        if o == "isinf":
+            return f"(tl.abs({self.value(a[0])}) == 1e999)"
+        if o in ("isnan",):
+            x = self.value(a[0])
+            return f"({x} != {x})"
+        if o == "isfinite":
+            x = self.value(a[0])
+            return f"(({x} == {x}) & (tl.abs({x}) != 1e999))"
+        if o == "sign":
+            x = self.value(a[0])
+            return f"(({x} > 0).to({TL[dt]}) - ({x} < 0).to({TL[dt]}))"
+        if o in ("maximum", "clamp_min", "minimum", "clamp_max"):
+            x, y = self.value(a[0]), self.value(a[1])
+            big = o in ("maximum", "clamp_min")
+            if dt.is_floating_point:
+                return f"{'_max_nan' if big else '_min_nan'}({x}, {y})"
+            return f"{'tl.maximum' if big else 'tl.minimum'}({x}, {y})"
+        if o in ("fmax", "fmin"):
+            x, y = self.value(a[0]), self.value(a[1])
+            fn = "tl.maximum" if o == "fmax" else "tl.minimum"
+            return f"tl.where({x} != {x}, {y}, tl.where({y} != {y}, {x}, {fn}({x}, {y})))"
+        if o == "pow":
+            x, y = self.value(a[0]), self.value(a[1])
+            if dt.is_floating_point:
+                return f"libdevice.pow({x}, {y})"
+            raise NotImplementedError("integer pow in Triton")
+        if o in ("pyfloordiv", "remainder", "truncdiv"):
+            x, y = self.value(a[0]), self.value(a[1])
+            if dt.is_floating_point:
+                if o == "truncdiv":
+                    return f"libdevice.trunc({x} / {y})"
+                m = self.tmp(f"libdevice.fmod({x}, {y})")
+                fix = self.tmp(f"({m} != 0) & (({y} < 0) != ({m} < 0))")
+                if o == "remainder":
+                    return f"tl.where({fix}, {m} + {y}, {m})"
+                return f"tl.where({y} == 0, {x} / {y}, libdevice.trunc(({x} - {m}) / {y}) - tl.where({fix}, 1.0, 0.0))"
+            q = self.tmp(f"({x} // {y})")     # Triton integer // and % truncate, like C
+            r = self.tmp(f"({x} % {y})")
+            if o == "truncdiv":
+                return q
+            fix = self.tmp(f"({r} != 0) & (({r} < 0) != ({y} < 0))")
+            return f"tl.where({fix}, {q} - 1, {q})" if o == "pyfloordiv" else f"tl.where({fix}, {r} + {y}, {r})"
+        if o == "fmod" and not dt.is_floating_point:
+            return f"({self.value(a[0])} % {self.value(a[1])})"
+        if o in _CORE:
+            return f"{_CORE[o]}({self.value(a[0])})"
+        if o in _LIBDEVICE:
+            fn = _LIBDEVICE[o]
+            if self.interpreter and fn.split(".")[1] not in INTERPRETER_LIBDEVICE:
+                raise NotImplementedError(f"{o} has no Triton-interpreter implementation")
+            return f"{fn}({', '.join(self.value(x) for x in a)})"
+        raise NotImplementedError(f"Triton codegen: no rule for op {o!r} ({to_text(n)})")
+
+
+def _unflatten(em: TritonEmitter, flat: str, sizes: tuple[Node, ...], prefix: str) -> None:
+    """Derive per-dim vars (x0, x1, ...) from a flat index, innermost fastest."""
+    stride = None
+    for k in range(len(sizes) - 1, -1, -1):
+        base = flat if stride is None else f"({flat} // ({stride}))"
+        em.line(f"{prefix}{k} = {base}" + (f" % ({em.index(sizes[k])})" if k > 0 else ""))
+        stride = em.index(sizes[k]) if stride is None else f"{stride} * {em.index(sizes[k])}"
+
+
+_RED = {"sum": ("tl.sum", "0"), "prod": (None, "1"), "max": ("tl.max", "-1e999"), "min": ("tl.min", "1e999"),
+        "any": ("tl.max", "0"), "all": ("tl.min", "1")}
+
+
+def _init(op: str, dtype: torch.dtype) -> str:
+    if op in ("max", "argmax"):
+        return "-1e999" if dtype.is_floating_point else str(torch.iinfo(dtype).min if dtype != torch.bool else 0)
+    if op in ("min", "argmin"):
+        return "1e999" if dtype.is_floating_point else str(torch.iinfo(dtype).max if dtype != torch.bool else 1)
+    return _RED[op][1]
+
+
+def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, list[str], list[str]]:
+    """Triton source for one kernel; returns (source, buffer args, symbol args)."""
+    kernel = plan.kernel
+    produced = {m.buffer.name for m in plan.members}
+    written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
+    read, syms = [], set()
+    for m in plan.members:
+        for n in list(walk(m.body)) + list(walk(m.store)):
+            if n.op == "load" and n.arg not in read and n.arg not in produced:
+                read.append(n.arg)
+            if n.op == "sym":
+                syms.add(n.arg)
+    for s in plan.outer + plan.inner:
+        syms |= free_syms(s)
+    syms_list = sorted(syms)
+    params = ", ".join(read + written + syms_list + ["xnumel", "rnumel", "XBLOCK: tl.constexpr",
+                                                      "RBLOCK: tl.constexpr", "BIG: tl.constexpr"])
+    out: list[str] = []
+    tile = tile_dims(plan)
+    numels = {"xnumel": plan.outer, "rnumel": plan.inner}
+    if tile is not None:
+        numels = {"xnumel": [plan.outer[tile[1]]], "ynumel": [plan.outer[tile[0]]]}
+    jit = _jit(syms_list, numels)
+    if tile is not None:
+        params = ", ".join(read + written + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
+                                                          "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
+        em = TritonEmitter(dtypes)
+        _static_numels(em, **numels)
+        _emit_tile_indices(em, plan, *tile)
+        em.mask = "xmask"
+        _emit_values(em, plan, plan.members, "xmask")
+        out.append(f"{jit}\ndef {kernel.name}_tiled({params}):\n" + "\n".join(em.lines))
+    elif kernel.kind == "pointwise":
+        em = TritonEmitter(dtypes)
+        _static_numels(em, xnumel=plan.outer)
+        em.line("pid = tl.program_id(0)")
+        em.line("if BIG:   # 64-bit offsets only when some offset can pass 2**31")
+        em.line("    pid = pid.to(tl.int64)")
+        em.line("xindex = pid * XBLOCK + tl.arange(0, XBLOCK)")
+        _emit_mask(em, "xmask", "xindex", "xnumel", "XBLOCK", "[XBLOCK]")
+        em.line("xzero = tl.zeros_like(xindex)   # gives scalar addresses the block's shape")
+        _unflatten(em, "xindex", plan.outer, "x")
+        em.mask = "xmask"
+        _emit_values(em, plan, plan.members, "xmask")
+        out.append(f"{jit}\ndef {kernel.name}({params}):\n" + "\n".join(em.lines))
+    else:
+        columns = rows_contiguous(plan)
+        for persistent in (True, False):
+            em = TritonEmitter(dtypes)
+            if persistent:     # the row stays in registers: values carried between loops need no store
+                em.unstored = set(plan.carried)
+            # masked column tiles measured faster (bf16 [8192, 2304] sum(0): 12.1 vs 14.6 us
+            # unmasked; probes/long_rows.py --only masks)
+            em.drop_masks = not columns
+            _static_numels(em, **numels)
+            em.line("pid = tl.program_id(0)")
+            em.line("if BIG:")
+            em.line("    pid = pid.to(tl.int64)")
+            em.line("xindex = pid * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+            _emit_mask(em, "xmask", "xindex", "xnumel", "XBLOCK", "[XBLOCK, 1]")
+            em.line("rbase = tl.arange(0, RBLOCK)[None, :]")
+            em.line("xzero = tl.zeros_like(xindex)")
+            _unflatten(em, "xindex", plan.outer, "x")
+            _emit_reduction_body(em, plan, persistent)
+            suffix = "_persistent" if persistent else "_looped"
+            out.append(f"{jit}\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
+    return "\n\n\n".join(out), read + written, syms_list
+
+
+def _jit(syms: list[str], numels: dict[str, Sequence[Node]]) -> str:
+    """The kernel's decorator.  Triton compiles a binary per specialization of its int arguments
+    (equal to 1, divisible by 16); a size symbol's value, and a numel made of one, would give a
+    new batch size a new binary: a Llama compiled with a symbolic batch compiled eight kernels
+    again at batch 16, ~1 s.  They are not specialized, as Inductor specializes only sizes
+    known to be multiples of 16; a numel whose constant factors make it one stays specialized,
+    since that holds at every size (and lets Triton prove masks uniform over vectors)."""
+    unstable = list(syms)
+    for name, sizes in numels.items():
+        factor, symbolic = 1, False
+        for size in sizes:
+            size_factor, size_symbolic = _constant_factor(size)
+            factor, symbolic = factor * size_factor, symbolic or size_symbolic
+        if symbolic and factor % 16:
+            unstable.append(name)
+    return f"@triton.jit(do_not_specialize={unstable!r})" if unstable else "@triton.jit"
+
+
+def _constant_factor(size: Node) -> tuple[int, bool]:
+    """(a constant that divides `size` at every value of its symbols, whether it has any)."""
+    if size.op == "const":
+        return int(size.arg), False
+    if size.op == "mul":
+        factor = 1
+        for arg in size.args:
+            factor *= _constant_factor(arg)[0]
+        return factor, True
+    return 1, True
+
+
+def _static_numels(em: TritonEmitter, **numels: Sequence[Node]) -> None:
+    """Shadow a numel argument with its value when the sizes are compile-time constants.
+
+    Triton proves a mask like `rindex < rnumel` uniform over 8 lanes (one 16-byte bf16 vector)
+    only if it knows rnumel is a multiple of 8; from an argument it only learns "divisible by
+    16", so rows of 1000 or 768 + 8 elements were read 2 bytes at a time.  Kernels of graphs with
+    symbolic sizes keep the argument (shape-generic)."""
+    for name, sizes in numels.items():
+        total = 1
+        for size in sizes:
+            if size.op != "const":
+                break
+            total *= int(size.arg)
+        else:
+            em.line(f"{name} = {total}   # static size: exact divisibility for masks and vector loads")
+            if total > 0:       # (0 % BLOCK == 0, yet an empty dim needs its mask)
+                em.static.add(name)
+
+
+def _emit_mask(em: TritonEmitter, mask: str, index: str, numel: str, block: str, shape: str) -> None:
+    """`mask = index < numel`; with a static numel that the block divides, no mask at all (a
+    constant-true one: Triton drops it).  A static `if`: Triton folds `numel % BLOCK` at compile
+    time.  (fp32 layer norm on [512, 131072]: 0.95 -> 1.01x Inductor in probes/long_rows.py.)"""
+    if numel not in em.static or not em.drop_masks:
+        em.line(f"{mask} = {index} < {numel}")
+        return
+    em.line(f"if {numel} % {block} == 0:")
+    em.line(f"    {mask} = tl.full({shape}, 1, tl.int1)")
+    em.line("else:")
+    em.line(f"    {mask} = {index} < {numel}")
+
+
+# Dims shorter than this are not worth a 2-D tile (most of a 16-wide tile would be masked off).
+MIN_TILE_DIM = 16
+
+
+def _unit_dim(index: Node, ndim: int) -> int | None:
+    """The loop dim along which `index` moves by exactly one element, if any."""
+    return next((k for k in range(ndim) if _stride_of(index, f"x{k}") == 1), None)
+
+
+def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
+    """(y dim, x dim) for a 2-D tiled pointwise kernel, or None for the flat 1-D kernel.
+
+    A flat block walks the output's contiguous dim, so an input that is contiguous along another
+    dim (a transpose, x.permute(0, 2, 1) + y) is read with a large stride: every lane touches its
+    own 32-byte sector.  A [YBLOCK, XBLOCK] tile over the output's contiguous dim (x) and the
+    input's (y) lets Triton load along y and store along x, both coalesced (it converts the
+    register layout through shared memory in between)."""
+    n = len(plan.outer)
+    if plan.kernel.kind != "pointwise" or n < 2:
+        return None
+    stored = [m for m in plan.members if m.buffer.name in plan.stored]
+    xd = _unit_dim(stored[0].store, n) if stored else None
+    if xd is None:
+        return None
+    produced = {m.buffer.name for m in plan.members}
+    for m in plan.members:
+        for ld in loads(m.body):
+            if ld.arg in produced or _stride_of(ld.args[0], f"x{xd}") == 0:
+                continue            # a fused intermediate, or broadcast along x: no conflict
+            yd = _unit_dim(ld.args[0], n)
+            if yd is None or yd == xd:
+                continue
+            small = [d for d in (xd, yd) if plan.outer[d].op == "const" and plan.outer[d].arg < MIN_TILE_DIM]
+            if small:
+                log.debug("%s: no 2-D tile, dim %d has only %s elements", plan.kernel.name, small[0],
+                          plan.outer[small[0]].arg)
+                return None
+            return yd, xd
+    return None
+
+
+def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> None:
+    """Program id -> (tile along x, tile along y, the other dims), x tiles fastest."""
+    em.line("pid = tl.program_id(0)")
+    em.line("if BIG:")
+    em.line("    pid = pid.to(tl.int64)")
+    em.line("xtiles = (xnumel + XBLOCK - 1) // XBLOCK")
+    em.line("ytiles = (ynumel + YBLOCK - 1) // YBLOCK")
+    em.line(f"x{xd} = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]")
+    em.line(f"x{yd} = ((pid // xtiles) % ytiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]")
+    em.line(f"xmask = (x{xd} < xnumel) & (x{yd} < ynumel)")
+    em.line("xzero = tl.zeros([YBLOCK, XBLOCK], tl.int32)   # gives scalar addresses the tile's shape")
+    rest = [k for k in range(len(plan.outer)) if k not in (xd, yd)]
+    if rest:
+        # Triton's interpreter fails a mask that combines the tile's mask with a comparison of
+        # a program-id scalar (`xmask & (x1 < s0)`, a cat along a dim outside the tile:
+        # "mask has unsupported dtype"); there the scalar gets the tile's shape
+        em.line("zindex = pid // (xtiles * ytiles)" + (" + xzero" if em.interpreter else ""))
+        stride = None
+        for k in reversed(rest):
+            base = "zindex" if stride is None else f"(zindex // ({stride}))"
+            em.line(f"x{k} = {base}" + (f" % ({em.index(plan.outer[k])})" if k != rest[0] else ""))
+            stride = em.index(plan.outer[k]) if stride is None else f"{stride} * {em.index(plan.outer[k])}"
+
+
+def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
+    for m in members:
+        v = em.value(m.body)
+        em.bind_local(m.buffer.name, m.store, v)
+        if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:
+            em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {v}.to({STORE_TL[m.buffer.dtype]}), {mask})")
+
+
+def _open_row_loop(em: TritonEmitter, plan: LoopPlan) -> None:
+    """Start a loop over the reduced dim in RBLOCK chunks (the looped variant's stages)."""
+    em.line("for roffset in range(0, rnumel, RBLOCK):")
+    em.indent += 1
+    em.push()
+    em.line("rindex = roffset + rbase")
+    _emit_mask(em, "rmask", "rindex", "rnumel", "RBLOCK", "[1, RBLOCK]")
+    _unflatten(em, "rindex", plan.inner, "y")
+
+
+def _close_row_loop(em: TritonEmitter) -> None:
+    em.pop()
+    em.indent -= 1
+
+
+def _online_pair(stage, nxt) -> bool:
+    """A max stage followed by a sum of exp(x - max) over the same x (softmax, log-softmax,
+    cross entropy): the looped variant computes both in one pass over the row."""
+    if nxt is None or stage.kind != "reduce" or nxt.kind != "reduce" or len(stage.members) != 1 \
+            or len(nxt.members) != 1:
+        return False
+    m, n = stage.members[0], nxt.members[0]
+    # fp32 throughout: a max rounded to a low-precision buffer would differ from the one the
+    # online sum was scaled by
+    if m.buffer.reduction_op != "max" or n.buffer.reduction_op != "sum" or \
+            any(t != torch.float32 for t in (m.body.dtype, n.body.dtype, m.buffer.dtype, n.buffer.dtype)):
+        return False
+    e = n.body
+    if e.op != "exp" or e.args[0].op != "sub":
+        return False
+    x, r = e.args[0].args
+    return x == m.body and r.op == "load" and r.arg == m.buffer.name and r.args[0] == m.store
+
+
+def _emit_online(em: TritonEmitter, plan: LoopPlan, stage, nxt) -> None:
+    """Online softmax (Milakov & Gimelshein): per lane a running max m and a running sum s of
+    exp(x - m), rescaled when m grows; the row's sum is sum(s * exp(m - M)) for the row max M.
+    A lane whose max is still -inf has seen only -inf (or masked) values: it adds 0, and the
+    final 0 * exp(-inf - M) is 0 for a finite M and NaN for an all -inf row, as in eager mode
+    (x - max is NaN there).  NaN and +inf propagate as in the two-pass form."""
+    m, n = stage.members[0], nxt.members[0]
+    acc_m, acc_s = f"acc_{m.buffer.name}", f"acc_{n.buffer.name}"
+    em.line(f"{acc_m} = tl.full([XBLOCK, RBLOCK], -1e999, tl.float32)")
+    em.line(f"{acc_s} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
+    _open_row_loop(em, plan)
+    em.mask = "xmask & rmask"
+    v = em.tmp(f"tl.where(xmask & rmask, {em.value(m.body)}, -1e999)")
+    new = em.tmp(f"_max_nan({acc_m}, {v})")
+    scale = em.tmp(f"tl.where({new} == {acc_m}, 1.0, tl.exp({acc_m} - {new}))")
+    term = em.tmp(f"tl.where({new} == -1e999, 0.0, tl.exp({v} - {new}))")
+    em.line(f"{acc_s} = {acc_s} * {scale} + {term}")
+    em.line(f"{acc_m} = {new}")
+    _close_row_loop(em)
+    _finish_reduction(em, plan, m, None, acc_m)
+    row_max = em.local_of(load(m.buffer.name, m.store, torch.float32))
+    _finish_reduction(em, plan, n, None, None, result=f"tl.sum({acc_s} * tl.exp({acc_m} - {row_max}), 1)[:, None]")
+
+
+def _variance_pair(stage, nxt):
+    """`nxt` is one sum of (x - a) * (x - a), where x is the body of a sum in `stage` (so it can
+    be computed in that stage's loop) and a is a per-row value of `stage` (the mean of a
+    variance or layer norm).  Returns (member, x, a) when the looped variant can get the sum
+    from `stage`'s pass over the row (see _emit_shifted_sums), else None."""
+    if nxt is None or stage.kind != "reduce" or nxt.kind != "reduce" or len(nxt.members) != 1:
+        return None
+    n = nxt.members[0]
+    d = n.body
+    if n.buffer.reduction_op != "sum" or d.dtype != torch.float32 or n.buffer.dtype != torch.float32 \
+            or d.op != "mul" or d.args[0] != d.args[1] or d.args[0].op != "sub":
+        return None
+    x, a = d.args[0].args
+    if not any(m.buffer.reduction_op == "sum" and m.body == x for m in stage.members) or any(v.op == "var" and v.arg.startswith("y") for v in walk(a)):
+        return None
+    return n, x, a
+
+
+def _emit_shifted_sums(em: TritonEmitter, x: str, acc: str) -> None:
+    """Per lane, sums of d = x - k and d * d, k being the lane's first element (loaded before
+    the loop by _emit_shift).  Sums of x and x * x would cancel catastrophically for rows far
+    from 0 (mean 1e4, std 1e-3); a running Welford mean in fp32 rounds to the mean's ulp at
+    every step, and divides per element.  d is exact for rows of similar values, and nothing
+    below cancels by more than a small factor.  Three flops per element: a layer norm's first
+    pass stays memory-bound in bf16 (probes/long_rows.py)."""
+    d = em.tmp(f"tl.where(xmask & rmask, {x} - {acc}_k, 0.0)")
+    em.line(f"{acc}_s1 = {acc}_s1 + {d}")
+    em.line(f"{acc}_s2 = {acc}_s2 + {d} * {d}")
+
+
+def _emit_shift(em: TritonEmitter, plan: LoopPlan, x, acc: str) -> None:
+    """Before the loop: k = x at each lane's first element (0 where the lane has none), and the
+    lanes' zeroed sums.  The first chunk is read again by the loop's first step, from L2."""
+    em.push()       # the values computed here are this chunk's: the loop must not reuse them
+    em.line("rindex = rbase")
+    _emit_mask(em, "rmask", "rindex", "rnumel", "RBLOCK", "[1, RBLOCK]")
+    _unflatten(em, "rindex", plan.inner, "y")
+    em.mask = "xmask & rmask"
+    em.line(f"{acc}_k = tl.where(xmask & rmask, {em.value(x)}, 0.0)")
+    em.pop()
+    for part in ("s1", "s2"):
+        em.line(f"{acc}_{part} = tl.full([XBLOCK, RBLOCK], 0, tl.float32)")
+
+
+def _finish_shifted_sums(em: TritonEmitter, plan: LoopPlan, total, member, a, acc: str) -> None:
+    """The row's sum of x (`total`, when the stage has one) is sum(k n + s1) over lanes, n being
+    a lane's element count; sum((x - a)^2) over a lane = s2 + 2 (k - a) s1 + n (k - a)^2,
+    exact for any per-row a."""
+    n = em.tmp("((rnumel - rbase + RBLOCK - 1) // RBLOCK).to(tl.float32)")   # >= 0: rbase < RBLOCK
+    if total is not None:
+        _finish_reduction(em, plan, total, None, None, result=f"tl.sum({acc}_k * {n} + {acc}_s1, 1)[:, None]")
+    c = em.tmp(f"{acc}_k - {em.value(a)}")
+    lanes = em.tmp(f"tl.where({n} > 0, {acc}_s2 + {c} * (2.0 * {acc}_s1 + {n} * {c}), 0.0)")
+    _finish_reduction(em, plan, member, None, None, result=f"tl.sum({lanes}, 1)[:, None]")
+
+
+def _stage_loads(stage) -> set[str]:
+    return {n.arg for m in stage.members for n in walk(m.body) if n.op == "load"}
+
+
+def _eviction(stages: list, i: int, merged: int) -> dict[str, str] | None:
+    """L2 hints for the loop of stages[i] (merged with the next `merged` stages) of a kernel
+    with several loops over the row: a buffer read again by a later loop is kept
+    (`evict_last`: a row's second pass then finds it in L2), one read for the last time goes
+    first.  Loads that are the same for every row (a layer norm's weight) are always kept
+    (TritonEmitter._expr).  A kernel with one loop (a plain sum) gets no hints."""
+    loops = [s for s in stages if s.kind != "outer"]
+    if len(loops) <= 1 + merged:
+        return None
+    later = set().union(*(_stage_loads(s) for s in stages[i + 1 + merged:] if s.kind != "outer"))
+    here = set().union(*(_stage_loads(s) for s in stages[i:i + 1 + merged]))
+    return {name: "evict_last" if name in later else "evict_first" for name in here}
+
+
+def _emit_reduction_body(em: TritonEmitter, plan: LoopPlan, persistent: bool) -> None:
+    full_mask = "xmask & rmask"
+    if persistent:
+        em.line("rindex = rbase")
+        _emit_mask(em, "rmask", "rindex", "rnumel", "RBLOCK", "[1, RBLOCK]")
+        _unflatten(em, "rindex", plan.inner, "y")
+    stages = list(plan.stages)
+    skip = False
+    for i, stage in enumerate(stages):
+        if skip:
+            skip = False
+            continue
+        nxt = stages[i + 1] if i + 1 < len(stages) else None
+        if not persistent and _online_pair(stage, nxt):
+            em.evict = _eviction(stages, i, 1)
+            _emit_online(em, plan, stage, nxt)
+            em.evict = None
+            skip = True
+            continue
+        if stage.kind == "outer":
+            em.mask = "xmask"
+            if persistent:
+                # A persistent kernel computes the reduced body for the whole [XBLOCK, RBLOCK]
+                # tile in this scope, a load that does not depend on r included (the sum of an
+                # expanded value): reused by a per-row member, its [XBLOCK, RBLOCK] shape would be
+                # stored through a [XBLOCK, 1] pointer.  Per-row members compute their own values
+                # (the looped variant's row loop has its own scope already).
+                tile_values, em.scopes[-1] = em.scopes[-1], {}
+                _emit_values(em, plan, stage.members, "xmask")
+                em.scopes[-1] = {**tile_values, **em.scopes[-1]}
+            else:
+                _emit_values(em, plan, stage.members, "xmask")
+            continue
+        variance = None if persistent else _variance_pair(stage, nxt)
+        if not persistent:
+            members = stage.members if stage.kind == "reduce" else []
+            total = None
+            em.evict = _eviction(stages, i, 1 if variance else 0)
+            if variance:
+                vacc = f"acc_{variance[0].buffer.name}"
+                # the stage's sum of x comes from the shifted sums (_finish_shifted_sums)
+                total = next((m for m in members if m.buffer.reduction_op == "sum" and m.body == variance[1]
+                              and m.body.dtype == torch.float32), None)
+                members = [m for m in members if m is not total]
+                keep, em.evict = em.evict, {**(em.evict or {}), **{b: "evict_last" for b in _stage_loads(stage)}}
+                _emit_shift(em, plan, variance[1], vacc)
+                em.evict = keep
+            accs = _open_accumulators(em, members)
+            _open_row_loop(em, plan)
+        em.mask = full_mask
+        if stage.kind == "inner":
+            _emit_values(em, plan, stage.members, full_mask)
+        elif persistent:
+            for m in stage.members:
+                _finish_reduction(em, plan, m, em.value(m.body), None)
+        else:
+            for m, acc in accs:
+                _accumulate(em, m, em.value(m.body), acc)
+            if variance:
+                _emit_shifted_sums(em, em.value(variance[1]), vacc)
+        if not persistent:
+            _close_row_loop(em)
+            em.evict = None
+            for m, acc in accs:
+                _finish_reduction(em, plan, m, None, acc)
+            if variance:
+                _finish_shifted_sums(em, plan, total, variance[0], variance[2], vacc)
+                skip = True
+
+
+def _open_accumulators(em: TritonEmitter, members) -> list:
+    accs = []
+    for m in members:
+        op, dt = m.buffer.reduction_op, m.body.dtype
+        acc = f"acc_{m.buffer.name}"
+        em.line(f"{acc} = tl.full([XBLOCK, RBLOCK], {_init(op, dt)}, {TL[dt]})")
+        if op in ("argmax", "argmin"):
+            em.line(f"{acc}_i = tl.full([XBLOCK, RBLOCK], 0, tl.int64)")
+        accs.append((m, acc))
+    return accs
+
+
+def _accumulate(em: TritonEmitter, m, v: str, acc: str) -> None:
+    op, dt = m.buffer.reduction_op, m.body.dtype
+    v = f"tl.where(xmask & rmask, {v}, {_init(op, dt)})"
+    if op == "sum":
+        em.line(f"{acc} = {acc} + {v}")
+    elif op == "prod":
+        em.line(f"{acc} = {acc} * {v}")
+    elif op in ("max", "any"):
+        em.line(f"{acc} = _max_nan({acc}, {v})" if dt.is_floating_point else f"{acc} = tl.maximum({acc}, {v})")
+    elif op in ("min", "all"):
+        em.line(f"{acc} = _min_nan({acc}, {v})" if dt.is_floating_point else f"{acc} = tl.minimum({acc}, {v})")
+    else:
+        tv = em.tmp(v)
+        cmp = ">" if op == "argmax" else "<"
+        nan = f" | (({tv} != {tv}) & ({acc} == {acc}))" if dt.is_floating_point else ""
+        better = em.tmp(f"({tv} {cmp} {acc}){nan}")
+        em.line(f"{acc} = tl.where({better}, {tv}, {acc})")
+        em.line(f"{acc}_i = tl.where({better}, rindex, {acc}_i)")
+
+
+def _row_reduce(op: str, dt: torch.dtype, v: str, em: TritonEmitter) -> str:
+    if op == "sum":
+        return f"tl.sum({v}, 1)[:, None]"
+    if op == "prod":
+        return f"tl.reduce({v}, 1, _mul_combine)[:, None]"
+    if op in ("max", "any", "min", "all"):
+        fn = "tl.max" if op in ("max", "any") else "tl.min"
+        if dt == torch.bool:
+            return f"{fn}({v}.to(tl.int8), 1)[:, None] != 0"
+        if dt.is_floating_point:   # one NaN-propagating tree reduction (not max + a NaN flag)
+            return f"tl.reduce({v}, 1, {'_max_nan' if op in ('max', 'any') else '_min_nan'})[:, None]"
+        return f"{fn}({v}, 1)[:, None]"
+    raise NotImplementedError(op)
+
+
+def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: str | None,
+                      result: str | None = None) -> None:
+    op, dt = m.buffer.reduction_op, m.body.dtype
+    if result is not None:          # computed by the caller (online softmax)
+        result = em.tmp(result)
+    elif acc is None:
+        acc = em.tmp(f"tl.where(xmask & rmask, {v}, {_init(op, dt)})")
+        idx = "rindex"
+    else:
+        idx = f"{acc}_i"
+    if op in ("argmax", "argmin"):
+        # first index among the lanes holding the best value; a NaN beats every value, as in
+        # eager's argmax and argmin alike (also an infinity, and also for argmin)
+        best_fn = "tl.max" if op == "argmax" else "tl.min"
+        idx_full = em.tmp(f"tl.broadcast_to({idx}, [XBLOCK, RBLOCK])" if idx == "rindex" else idx)
+        key = em.tmp(f"tl.where({acc} != {acc}, {_init(op, dt)}, {acc})" if dt.is_floating_point else acc)
+        best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
+        result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None]")
+        if dt.is_floating_point:
+            first_nan = em.tmp(f"tl.min(tl.where({acc} != {acc}, {idx_full}, 2147483647), 1)[:, None]")
+            result = em.tmp(f"tl.where({first_nan} < 2147483647, {first_nan}, {result})")
+        result = em.tmp(f"{result}.to(tl.int64)")
+    elif result is None:
+        result = em.tmp(_row_reduce(op, dt, acc, em))
+    value = em.tmp(f"{result}.to({STORE_TL[m.buffer.dtype]}).to({TL[m.buffer.dtype]})")
+    em.bind_local(m.buffer.name, m.store, value)
+    if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:
+        em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {value}.to({STORE_TL[m.buffer.dtype]}), xmask)")
+
+
+def module_source(kernel_sources: list[str], interpreter: bool = False) -> str:
+    mul = '''
+
+@triton.jit
+def _mul_combine(a, b):
+    return a * b
+'''
+    header = (HEADER_INTERPRETER if interpreter else HEADER_GPU) + HEADER_COMMON
+    return header + mul + "\n\n" + "\n\n\n".join(kernel_sources) + "\n"
