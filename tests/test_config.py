@@ -14,6 +14,26 @@ from torchfuse.config import Config
 from torchfuse.backends.cpp import build as cpp_build
 
 
+def test_unknown_pass_names_raise_when_a_compiler_takes_the_config():
+    """(Config itself does not import the passes: the compilers check the names.)"""
+    from torchfuse.frontend.dynamo import TorchfuseBackend
+    config = Config.from_options({"passes": ["dce", "fold_everything"]})
+    with pytest.raises(ValueError, match="valid passes are"):
+        TorchfuseBackend(config)
+    with pytest.raises(ValueError, match="valid passes are"):
+        torchfuse.compile(lambda x: x + 1, options={"passes": ["fold_everything"]})
+    with pytest.raises(ValueError, match="valid passes are"):
+        with torchfuse.lazy(options={"passes": ["fold_everything"]}):
+            pass
+
+
+def test_bad_pass_names_raise_through_torch_compile():
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as err:    # Dynamo wraps it
+        torch.compile(lambda x: x + 1, backend="torchfuse", options={"passes": ["dce", "fold_everything"]})(torch.randn(3))
+    assert "valid passes are" in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("options, says", [
     ({"cpu_backend": "banana"}, "['cpp', 'triton']"),
     ({"cpu_backend": "interpreter"}, "['cpp', 'triton']"),
@@ -24,7 +44,6 @@ from torchfuse.backends.cpp import build as cpp_build
     ({"cxx_flags": "-O2"}, "a list of strings"),
     ({"fallback_ops": ["aten.no_such_op.default"]}, "'aten.gelu.default'"),
     ({"fallback_ops": ["gelu"]}, "name no op"),
-    ({"passes": ["dce", "fold_everything"]}, "valid passes are"),
     ({"partitioner": "greedy"}, "['default', 'min_cut']"),
     ({"cache_dir": 3}, "a path"),
 ])

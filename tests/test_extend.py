@@ -91,7 +91,7 @@ def test_pass_registration_is_checked():
     with pytest.raises(ValueError, match="built-in"):
         torchfuse.register_pass("cse", _relu_of_add_to_clamp)
     with pytest.raises(ValueError, match="unknown pass"):
-        torchfuse.Config.from_options({"passes": ["no_such_pass"]})
+        torchfuse.compile(lambda x: x, options={"passes": ["no_such_pass"]})
 
 
 # --- a custom operator ----------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_custom_op_falls_back_then_fuses_after_decomposition():
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_custom_op_fuses_after_a_lowering(backend):
     from torchfuse.lowering.pointwise import pointwise
-    from torchfuse.lowering.graph import LOWERINGS
+    from torchfuse.lowering.registry import LOWERINGS
     from torchfuse.ir.nodes import const
     from torchfuse.ir.nodes import op as ir
 
@@ -215,7 +215,7 @@ def test_custom_reduction_fuses_after_a_lowering(backend):
     """A custom reduction lowered with the built-in `reduction` helper: its producer (x * 2 + 1)
     and its consumer (sqrt) fuse around it, one kernel."""
     from torchfuse.lowering.reduce import reduction
-    from torchfuse.lowering.graph import LOWERINGS
+    from torchfuse.lowering.registry import LOWERINGS
     from torchfuse.ir.nodes import op as ir
 
     if backend == "triton":

@@ -221,11 +221,7 @@ def _checked(name: str, value: Any) -> Any:
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
                 not all(isinstance(v, str) or callable(v) for v in value):
             raise bad("a list of pass names, callables (gm, ctx) -> changes, or torch.fx PassBase objects")
-        value = tuple(value)
-        from .passes import REGISTRY
-        unknown = [v for v in value if isinstance(v, str) and v not in REGISTRY]
-        if unknown:
-            raise ValueError(f"torchfuse: unknown pass(es) {unknown}; valid passes are {sorted(REGISTRY)}")
+        value = tuple(value)     # (the names are checked by passes.check_names, when a compiler takes the Config)
     elif typing.get_origin(kind) is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
                 not all(isinstance(v, str) for v in value):

@@ -73,6 +73,6 @@ def register_lowering(op: Any, fn: Callable) -> None:
     built-in lowerings in torchfuse/ir/ do (e.g. `pointwise(lw, [x], lambda a: ...)`)."""
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(f"torchfuse: register_lowering needs an OpOverload, not {op!r}")
-    from .lowering.graph import register
+    from .lowering.registry import register
     register(op)(fn)
     _forget(op)

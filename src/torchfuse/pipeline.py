@@ -23,7 +23,8 @@ from .report import Explanation, FallbackInfo, KernelInfo
 from .config import Config
 from .counters import counters
 from .ir.buffers import Unsupported
-from .lowering.graph import graph_device, lower_graph
+from .lowering.graph import lower_graph
+from .lowering.values import graph_device
 from .passes import PassContext, run_passes
 from .passes.host_scalars import move_host_scalars
 from . import progress

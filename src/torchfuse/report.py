@@ -71,6 +71,11 @@ class Explanation:
         the passes, each starting "# <graph name>: ...")."""
         return list(dict.fromkeys(graph_of(g) for g in self.graphs))
 
+    @staticmethod
+    def graph_of(line: str) -> str:
+        """The graph a per-graph report line belongs to (see `graph_of` below)."""
+        return graph_of(line)
+
     def changed_passes(self) -> list[str]:
         """The pass runs that changed the graph (`passes` lists every run)."""
         return [p for p in self.passes if not p.endswith("(0 changes)")]

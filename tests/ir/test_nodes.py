@@ -323,7 +323,7 @@ def test_symbolic_max_in_sizes():
     import sympy
     from torch.utils._sympy.functions import FloorDiv
 
-    from torchfuse.lowering.graph import sym_to_node
+    from torchfuse.lowering.values import sym_to_node
     from torchfuse.codegen.wrapper import py_index
     s0, s1 = sympy.Symbol("s0", integer=True, positive=True), sympy.Symbol("s1", integer=True, positive=True)
     # Max(1, a product of backed sizes) is the product itself (sizes are >= 2)
@@ -340,7 +340,7 @@ def test_symbolic_ceil_and_floor_of_a_quotient_in_sizes():
     import sympy
     from torch.utils._sympy.functions import CeilToInt, FloorToInt, IntTrueDiv
 
-    from torchfuse.lowering.graph import sym_to_node
+    from torchfuse.lowering.values import sym_to_node
     from torchfuse.codegen.wrapper import py_index
     s0 = sympy.Symbol("s0", integer=True, positive=True)
     ceil_rows = py_index(sym_to_node(CeilToInt(IntTrueDiv(s0, 32)) * 32))

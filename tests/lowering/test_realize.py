@@ -81,10 +81,10 @@ def _windowed_attention(q, k, v, position_bias, shift_mask):
 def test_attention_bias_is_written_with_aligned_strides(monkeypatch):
     """The CUDA attention kernels refuse a bias whose strides (but the last) are not multiples
     of 8 elements; a [.., 49, 49] bias computed by a kernel is written padded to 56 per row."""
-    from torchfuse.lowering import graph as lowering
-    from torchfuse.lowering.graph import aligned_bias_layout
+    from torchfuse.lowering import values as lowering
+    from torchfuse.lowering.values import aligned_bias_layout
     from torchfuse.ir.nodes import const
-    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+    monkeypatch.setitem(lowering.ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
                         (3, "bias"))
     torch.manual_seed(0)
     q, k, v = (torch.randn(8, 3, 49, 16) for _ in range(3))
@@ -116,8 +116,8 @@ def test_attention_bias_also_returned_is_stored_once_in_its_strides(monkeypatch)
     that buffer.  It had been stored dense for its two readers: a second, aligned buffer for
     the attention, and the output's strides unlike eager's, so the backward copied it into them
     again (Swin training: five 56-64 MiB copies, its step's peak)."""
-    from torchfuse.lowering import graph as lowering
-    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+    from torchfuse.lowering import values as lowering
+    monkeypatch.setitem(lowering.ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
                         (3, "bias"))
     torch.manual_seed(0)
     q, table, index = torch.randn(8, 3, 49, 16), torch.randn(169, 3), torch.randint(0, 169, (2401,))
@@ -187,8 +187,8 @@ def test_attention_bias_with_symbolic_sizes_is_copied_aligned(monkeypatch):
     """A dense [B, 1, S, S] mask with a symbolic S has strides S*S and S, aligned for some S
     only (GPT-2 at sequence 77 failed on CUDA): it is copied into an aligned buffer, one copy
     for every attention call reading it."""
-    from torchfuse.lowering import graph as lowering
-    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+    from torchfuse.lowering import values as lowering
+    monkeypatch.setitem(lowering.ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
                         (3, "bias"))
 
     def two_layers(q, mask):
@@ -211,8 +211,8 @@ def test_attention_bias_broadcast_over_heads_is_stored_once(monkeypatch):
     to the CUDA kernels: stored [B, 1, S, S] (rows aligned) and read with stride 0 over the
     heads, not written dense for every head (Mistral: 1 GiB where its values take 32 MiB), also
     when every layer reads it and its expression is too costly to recompute in each."""
-    from torchfuse.lowering import graph as lowering
-    monkeypatch.setitem(lowering._ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
+    from torchfuse.lowering import values as lowering
+    monkeypatch.setitem(lowering.ATTENTION_BIAS_ARG, torch.ops.torchfuse_test.biased_attention.default,
                         (3, "bias"))
     b, h, s = 2, 4, 12
 

@@ -16,6 +16,7 @@ import torch
 from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph, is_row_major
 from ..ir.nodes import INDEX, Node, const, loads as _ir_loads, py_index
 from ..scheduler.fusion import Kernel
+from ..scheduler.memory_order import returns_fresh, sink_steps, step_refs
 
 
 def _tuple(nodes) -> str:
@@ -145,7 +146,6 @@ class WrapperBuilder:
                  reductions_in_place: bool = False):
         self.program = program
         self.kernel_args = kernel_args
-        from ..scheduler.memory_order import sink_steps
         self.items = _input_copies_last(sink_steps(items, kernel_args, lambda b: meta_bytes(program.buffer_meta.get(b))), kernel_args)
         self.outputs = {o for o in program.outputs if isinstance(o, str)}
         self.reused = 0
@@ -294,7 +294,7 @@ class WrapperBuilder:
                 self._fallback(item)
                 for o in item.outputs:
                     if o is not None and o in p.buffer_meta:
-                        if _returns_fresh(item.target):
+                        if returns_fresh(item.target):
                             self.memory.alloc(o, p.buffer_meta[o])
                         elif item.args and isinstance(item.args[0], BufferRef):
                             self.memory.share(o, item.args[0].buffer)
@@ -340,7 +340,7 @@ class WrapperBuilder:
         only a hoisted computation used, needs no stride check)."""
         used = set(self.outputs)
         for item in self.items:
-            used.update(_step_refs(item, self.kernel_args))
+            used.update(step_refs(item, self.kernel_args))
         return used
 
     def _reusable(self) -> set[str]:
@@ -351,9 +351,9 @@ class WrapperBuilder:
         for item in self.items:
             if isinstance(item, AliasView):
                 self._shared |= {item.base, item.name, *item.after}
-            elif isinstance(item, FallbackCall) and not _returns_fresh(item.target):
-                self._shared |= set(_step_refs(item, self.kernel_args)) | {o for o in item.outputs if o is not None}
-        fresh = {o for item in self.items if isinstance(item, FallbackCall) and _returns_fresh(item.target)
+            elif isinstance(item, FallbackCall) and not returns_fresh(item.target):
+                self._shared |= set(step_refs(item, self.kernel_args)) | {o for o in item.outputs if o is not None}
+        fresh = {o for item in self.items if isinstance(item, FallbackCall) and returns_fresh(item.target)
                  for o in item.outputs if o is not None and o in self.program.buffer_meta}
         return fresh - self._shared
 
@@ -369,7 +369,7 @@ class WrapperBuilder:
             if isinstance(item, Kernel):
                 for m in item.members:
                     kernel_of[m.buffer.name] = (pos, item)
-            for b in _step_refs(item, self.kernel_args):
+            for b in step_refs(item, self.kernel_args):
                 readers.setdefault(b, []).append(pos)
         into: dict[str, str] = {}
         skipped: set[int] = set()
@@ -573,7 +573,7 @@ def _input_copies_last(items: list, kernel_args: dict[str, tuple[list[str], list
     inline cheap values by re-reading their inputs (x + x, read again by a later kernel), so an
     input must not change before its last reader ran.  Copies whose result a step reads stay
     (one the graph returns moves: it is read at the return)."""
-    read = {b for item in items for b in _step_refs(item, kernel_args)}
+    read = {b for item in items for b in step_refs(item, kernel_args)}
 
     def is_input_copy(item: Any) -> bool:
         return (isinstance(item, FallbackCall) and item.target is torch.ops.aten.copy_.default
@@ -581,34 +581,6 @@ def _input_copies_last(items: list, kernel_args: dict[str, tuple[list[str], list
                 and not any(o is not None and o in read for o in item.outputs))
     copies = [item for item in items if is_input_copy(item)]
     return [item for item in items if not is_input_copy(item)] + copies if copies else list(items)
-
-
-def _step_refs(item: Any, kernel_args: dict[str, tuple[list[str], list[str]]]) -> list[str]:
-    """The buffers a wrapper step names: a kernel's arguments, a view's base, the tensors an ATen
-    call is given."""
-    if isinstance(item, Kernel):
-        return kernel_args[item.name][0]
-    if isinstance(item, AliasView):
-        return [item.base, *item.after]
-    refs: list[str] = []
-    if isinstance(item, FallbackCall):
-        _buffer_refs((item.args, list(item.kwargs.values())), refs)
-    return refs
-
-
-def _buffer_refs(a: Any, out: list[str]) -> None:
-    if isinstance(a, BufferRef):
-        out.append(a.buffer)
-    elif isinstance(a, (list, tuple)):
-        for x in a:
-            _buffer_refs(x, out)
-
-
-@functools.lru_cache(maxsize=None)
-def _returns_fresh(op: Any) -> bool:
-    """Does an ATen op return new tensors (no result may share an argument's storage)?"""
-    schema = getattr(op, "_schema", None)
-    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
 def _could_bind(schema: Any, n_positional: int, keywords: frozenset[str]) -> bool:

@@ -17,6 +17,7 @@ from ..counters import counters
 from ..runtime import cudagraphs
 from .. import progress
 from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
+from ..passes import check_names
 from .decompositions import decomposition_table
 
 log = logging.getLogger("torchfuse")
@@ -28,6 +29,7 @@ class TorchfuseBackend:
     def __init__(self, config: Config | None = None, report: Explanation | None = None):
         self.config = config or Config.from_options()
         self.report = report
+        check_names(self.config.passes)
 
     def _compile(self, kind: str, gm: fx.GraphModule, static: set[int], training: "cudagraphs.TrainingState") -> Callable:
         """One aten graph through torchfuse (and CUDA graphs under reduce-overhead)."""

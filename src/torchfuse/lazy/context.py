@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode, 
 
 from ..report import Explanation
 from ..config import Config
+from ..passes import check_names
 from . import capture, trace
 from .cache import config_token
 from .graph import FlushLog, FlushRecord, LazyNode, flush
@@ -83,12 +84,15 @@ def _config(options: Mapping[str, Any] | None) -> Config:
         key = (tuple(sorted((options or {}).items())), tuple(os.environ.get(v) for v in _ENV))
         hash(key)
     except TypeError:                   # unhashable option values: no memo
-        return Config.from_options(options)
+        config = Config.from_options(options)
+        check_names(config.passes)
+        return config
     config = _CONFIGS.get(key)
     if config is None:
         if len(_CONFIGS) > 256:
             _CONFIGS.clear()
         config = _CONFIGS[key] = Config.from_options(options)
+        check_names(config.passes)
     return config
 
 

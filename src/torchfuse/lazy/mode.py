@@ -151,7 +151,7 @@ def _dropout_pos(func: Any) -> int | None:
 def _fusible_target(func: Any) -> bool:
     from ..frontend.decompositions import decomposition_table
     from ..lowering import ops as lower_ops  # noqa: F401  (registers the lowerings)
-    from ..lowering.graph import LOWERINGS
+    from ..lowering.registry import LOWERINGS
     if not isinstance(func, torch._ops.OpOverload):
         return False
     schema = func._schema

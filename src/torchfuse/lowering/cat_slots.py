@@ -52,7 +52,7 @@ def plan_cat_slots(lw: "GraphLowering") -> dict[fx.Node, tuple[fx.Node, int, int
     """{part node: (concatenation node, position, dim)} for every part that may be stored into
     its slice when it is realized (dim: the part is that node unsqueezed there, as torch.stack
     along the last dim makes it); fills `lw.cat_plans`."""
-    from .graph import (_channels_last_conv, _hint, channels_last_layout, is_dense, layout_of, meta_val, shape_of, sym_to_node)
+    from .values import (channels_last_conv, channels_last_layout, is_dense, layout_of, meta_val, shape_of, size_hint, sym_to_node)
     slot_of: dict[fx.Node, tuple[fx.Node, int, int | None]] = {}
     for cat in lw.gm.graph.find_nodes(op="call_function", target=aten.cat.default):
         out = meta_val(cat)
@@ -63,7 +63,7 @@ def plan_cat_slots(lw: "GraphLowering") -> dict[fx.Node, tuple[fx.Node, int, int
         dim = (cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)) % out.ndim
         try:
             layout = layout_of(out)
-            if out.ndim == 4 and cat.users and all(_channels_last_conv(u) for u in cat.users):
+            if out.ndim == 4 and cat.users and all(channels_last_conv(u) for u in cat.users):
                 # only channels-last convolutions read it: stored so (as lowering's
                 # _realize_channels_last would store a fused cat), not copied there afterwards
                 layout = channels_last_layout(layout.sizes)
@@ -78,7 +78,7 @@ def plan_cat_slots(lw: "GraphLowering") -> dict[fx.Node, tuple[fx.Node, int, int
             counts[a] = counts.get(a, 0) + 1
         for pos, a in enumerate(parts):
             m = meta_val(a) if isinstance(a, fx.Node) else None
-            if not isinstance(m, torch.Tensor) or m.ndim != out.ndim or _hint(m.numel()) == 0:
+            if not isinstance(m, torch.Tensor) or m.ndim != out.ndim or size_hint(m.numel()) == 0:
                 offsets.append(None)
                 sizes.append(None)
                 if isinstance(m, torch.Tensor) and m.ndim == out.ndim:
@@ -104,11 +104,11 @@ def _read_from_memory(node: fx.Node) -> bool:
     run through ATen (a matmul, a convolution) or is it returned?  A concatenation only lowered
     ops read stays lazy: its loads fuse into their kernels (a clone to channels-last, a batch
     norm), which beats writing it anywhere."""
-    from .graph import LOWERINGS, _is_view
+    from .registry import LOWERINGS, is_view
     for u in node.users:
         if u.op == "output" or (u.op == "call_function" and u.target not in LOWERINGS):
             return True
-        if _is_view(u) and _read_from_memory(u):
+        if is_view(u) and _read_from_memory(u):
             return True
     return False
 
@@ -125,11 +125,11 @@ _MAYBE_ATEN = frozenset({aten.max_pool2d_with_indices.default, aten.max_pool2d_w
 def _readers_take_strides(node: fx.Node, cat: fx.Node) -> bool:
     """Do all of `node`'s readers besides `cat` (through views) read a slice with gaps between
     its rows as fast as a dense buffer: generated kernels (any strides) and BLAS calls?"""
-    from .graph import LOWERINGS, _is_view
+    from .registry import LOWERINGS, is_view
     for u in node.users:
         if u is cat or u.target in _STRIDED_ATEN_READERS:
             continue
-        if _is_view(u):
+        if is_view(u):
             if not _readers_take_strides(u, cat):
                 return False
         elif u.op != "call_function" or u.target not in LOWERINGS or u.target in _MAYBE_ATEN:

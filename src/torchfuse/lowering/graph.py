@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,257 +19,15 @@ import torch.fx as fx
 from ..config import Config
 from ..ir.buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout, LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
 from .cat_slots import CatPlan, plan_cat_slots, slot_layout
-from ..ir.nodes import INDEX, Node, const, floordiv, mod, op, sym, var
+from .registry import LOWERINGS, is_view
+from .values import (ATTENTION_BIAS_ARG, CONVOLUTIONS, channels_last_conv, channels_last_layout, graph_device, is_dense,
+                     is_non_overlapping, layout_of, meta_val, shape_of, sym_to_node, sympy_to_node)
+from ..ir.nodes import Node, const, op, var
 
 log = logging.getLogger("torchfuse.lowering")
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-
-Lowering = Callable[..., Any]
-LOWERINGS: dict[Any, Lowering] = {}
-
-
-def register(*targets: Any) -> Callable[[Lowering], Lowering]:
-    """Register a lowering for aten overloads; an overload packet registers all its overloads."""
-    def deco(fn: Lowering) -> Lowering:
-        for t in targets:
-            if isinstance(t, torch._ops.OpOverloadPacket):
-                for name in t.overloads():
-                    LOWERINGS[getattr(t, name)] = fn
-            else:
-                LOWERINGS[t] = fn
-        return fn
-    return deco
-
-
-# --------------------------------------------------------------------------------------------
-# symbolic sizes: sympy expressions from Dynamo become our own index nodes
-# --------------------------------------------------------------------------------------------
-
-def sym_to_node(x: Any) -> Node:
-    """An int or SymInt (or its sympy expression) as an index Node."""
-    if isinstance(x, Node):
-        return x
-    if isinstance(x, bool):
-        return const(int(x))
-    if isinstance(x, int):
-        return const(x)
-    if isinstance(x, torch.SymInt):
-        if x.node.is_nested_int():
-            raise Unsupported("nested int sizes")
-        hint = x.node.maybe_as_int()
-        if hint is not None:
-            return const(hint)
-        return _sympy_to_node(x.node.expr)
-    return _sympy_to_node(x)
-
-
-def _sympy_to_node(e: Any) -> Node:
-    import sympy
-    if isinstance(e, sympy.Integer):
-        return const(int(e))
-    if isinstance(e, sympy.Symbol):
-        return sym(e.name)
-    if isinstance(e, sympy.Add):
-        out = const(0)
-        for a in e.args:
-            out = out + _sympy_to_node(a)
-        return out
-    if isinstance(e, sympy.Mul):
-        out = const(1)
-        for a in e.args:
-            out = out * _sympy_to_node(a)
-        return out
-    if isinstance(e, sympy.Pow) and isinstance(e.exp, sympy.Integer) and int(e.exp) >= 0:
-        out = const(1)
-        base = _sympy_to_node(e.base)
-        for _ in range(int(e.exp)):
-            out = out * base
-        return out
-    name = type(e).__name__
-    if name == "Max":
-        # Max(1, s0*s1) -- a stride of a dim that may be empty -- for backed sizes, which are
-        # >= 2 (0 and 1 are specialized): the product itself.
-        consts = [a for a in e.args if isinstance(a, sympy.Integer)]
-        rest = [a for a in e.args if not isinstance(a, sympy.Integer)]
-        if len(rest) == 1 and all(int(c) <= 1 for c in consts) and _positive_size(rest[0]):
-            return _sympy_to_node(rest[0])
-        out = _sympy_to_node(e.args[0])
-        for a in e.args[1:]:
-            out = Node("maximum", (out, _sympy_to_node(a)), None, INDEX)
-        return out
-    if name == "FloorDiv":
-        return floordiv(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
-    if name in ("Mod", "PythonMod"):
-        return mod(_sympy_to_node(e.args[0]), _sympy_to_node(e.args[1]))
-    if name in ("CeilToInt", "FloorToInt") and type(e.args[0]).__name__ == "IntTrueDiv":
-        # math.ceil(s / 32) of ints (memory-efficient attention pads its log-sum-exp rows to a
-        # multiple of 32): ceil(a / b) = (a + b - 1) // b for b > 0
-        num, den = e.args[0].args
-        if den.is_positive:
-            n, d = _sympy_to_node(num), _sympy_to_node(den)
-            return floordiv(n + d - const(1), d) if name == "CeilToInt" else floordiv(n, d)
-    raise Unsupported(f"symbolic size expression {e} ({name})")
-
-
-def _positive_size(e: Any) -> bool:
-    """A sum/product with positive coefficients of backed size symbols (s0, s1, ...: >= 2)."""
-    import sympy
-    if isinstance(e, sympy.Symbol):
-        return e.name.startswith("s")
-    if isinstance(e, sympy.Integer):
-        return int(e) >= 1
-    if isinstance(e, (sympy.Add, sympy.Mul)):
-        return all(_positive_size(a) for a in e.args)
-    if isinstance(e, sympy.Pow):
-        return isinstance(e.exp, sympy.Integer) and int(e.exp) >= 1 and _positive_size(e.base)
-    return False
-
-
-def meta_val(node: fx.Node) -> Any:
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
-def shape_of(t: torch.Tensor) -> tuple[Node, ...]:
-    return tuple(sym_to_node(s) for s in t.shape)
-
-
-def _hint(x: Any) -> int:
-    """A concrete value for ordering only; reading it installs no Dynamo guard."""
-    if isinstance(x, torch.SymInt):
-        h = x.node.hint
-        return int(h) if h is not None else 0
-    return int(x)
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: every element has its own slot and no slot is unused.
-
-    Decided structurally on our own index nodes (dims ordered by stride hints), so symbolic
-    sizes are never specialized (no Dynamo guard is installed) by the check.
-    """
-    try:
-        layout = layout_of(t)
-    except Unsupported:
-        return False
-    order = sorted(range(t.ndim), key=lambda d: (_hint(t.stride()[d]), _hint(t.shape[d])))
-    expected: Node = const(1)
-    for d in order:
-        size = layout.sizes[d]
-        if size.op == "const" and size.arg == 1:
-            continue
-        if layout.strides[d] != expected:
-            return False
-        expected = expected * size
-    return True
-
-
-def is_non_overlapping(t: torch.Tensor) -> bool:
-    """No two elements share a slot; gaps are allowed.  Concrete sizes only (else False)."""
-    if any(isinstance(v, torch.SymInt) and v.node.maybe_as_int() is None for v in (*t.shape, *t.stride())):
-        return False
-    dims = sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride()) if int(sz) > 1)
-    span = 1
-    for st, sz in dims:
-        if st < span:
-            return False
-        span = st * sz
-    return True
-
-
-def layout_of(t: torch.Tensor, *, with_offset: bool = False) -> Layout:
-    off = sym_to_node(t.storage_offset()) if with_offset else const(0)
-    return Layout(shape_of(t), tuple(sym_to_node(s) for s in t.stride()), off)
-
-
-_CONVOLUTIONS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
-
-# CUDA attention kernels that read an additive bias, and the bias's argument position. They need
-# every stride of it but the last to be a multiple of 8 elements ("attn_bias is not correctly
-# aligned"); eager's scaled_dot_product_attention pads a mask for them, so a bias a kernel here
-# computes is written into a buffer padded the same way (as Inductor's sdpa_constraint does).
-_ATTENTION_BIAS_ARG = {getattr(aten, name).default: (pos, arg) for name, pos, arg in (
-    ("_scaled_dot_product_efficient_attention", 3, "attn_bias"),
-    ("_scaled_dot_product_efficient_attention_backward", 4, "attn_bias"),
-    ("_scaled_dot_product_cudnn_attention", 3, "attn_bias"),
-    ("_scaled_dot_product_cudnn_attention_backward", 8, "attn_bias"),
-    ("_efficient_attention_forward", 3, "bias"), ("_efficient_attention_backward", 4, "bias"))
-    if hasattr(aten, name)}
-ATTENTION_BIAS_ALIGNMENT = 8
-
-
-def aligned_bias_layout(sizes: Sequence[Node], alignment: int = ATTENTION_BIAS_ALIGNMENT) -> Layout:
-    """Row-major strides for an attention bias, every stride but the last rounded up to a
-    multiple of `alignment` elements (the buffer is padded at the end of each row)."""
-    strides: list[Node] = [const(1)] * len(sizes)
-    acc: Node = const(1)
-    for i in range(len(sizes) - 2, -1, -1):
-        acc = acc * sizes[i + 1]
-        if not (acc.op == "const" and acc.arg % alignment == 0):
-            acc = (acc + (alignment - 1)) // alignment * alignment
-        strides[i] = acc
-    return Layout(tuple(sizes), tuple(strides))
-
-
-def graph_device(values: Iterable[Any]) -> torch.device | None:
-    """The device a graph computes on: its first tensor input's, passing over 0-d CPU tensors
-    while a later input lives elsewhere (Dynamo passes an unspecialized float as one, see
-    passes/host_scalars.py; a GPU graph taking it first is still a GPU graph)."""
-    first = None
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            if first is None:
-                first = v.device
-            if not (v.device.type == "cpu" and v.ndim == 0):
-                return v.device
-    return first
-
-
-def _misaligned(layout: Layout, want: Layout, alignment: int = ATTENTION_BIAS_ALIGNMENT) -> bool:
-    """Whether `layout` may break the attention kernels' rule: the last stride 1, every other
-    stride and the offset multiples of `alignment` (a size-1 dim's stride does not matter).  A
-    symbolic stride passes only when it is the aligned layout's own (`want`'s): a dense
-    [B, 1, S, S] mask's S*S is aligned only for some S, and the kernels fail at run time on
-    the others ("attn_bias is not correctly aligned"); a symbolic offset never passes."""
-    *rows, (last_size, last_stride) = zip(layout.sizes, layout.strides)
-    if last_stride != const(1) and last_size != const(1):
-        return True
-    if not (layout.offset.op == "const" and layout.offset.arg % alignment == 0):
-        return True
-    for (size, stride), wanted in zip(rows, want.strides):
-        if size == const(1):
-            continue
-        if stride.op == "const" and stride.arg % alignment != 0 or stride.op != "const" and stride != wanted:
-            return True
-    return False
-
-
-# Ops whose result is smaller than what they read: each runs as a kernel of its own loop, apart
-# from the elementwise readers of the same value (passes/unfuse_bias.py reads this too).
-REDUCTIONS = frozenset({
-    torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
-    torch.ops.aten.mean.default, torch.ops.aten.prod.default, torch.ops.aten.prod.dim_int,
-    torch.ops.aten.amax.default, torch.ops.aten.amin.default, torch.ops.aten.max.default,
-    torch.ops.aten.min.default, torch.ops.aten.max.dim, torch.ops.aten.min.dim, torch.ops.aten.argmax.default,
-    torch.ops.aten.argmin.default, torch.ops.aten.var.correction, torch.ops.aten.var_mean.correction,
-    torch.ops.aten.std.correction, torch.ops.prims.sum.default, torch.ops.prims.var.default,
-    torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
-def channels_last_layout(shape: Sequence[Node]) -> Layout:
-    """NHWC strides for an [N, C, H, W] value."""
-    n, c, h, w = shape
-    return Layout(tuple(shape), (h * w * c, const(1), w * c, c))
-
-
-def _channels_last_conv(node: fx.Node) -> bool:
-    """A convolution whose output (and so whose input, for cuDNN and oneDNN) is channels-last."""
-    if node.target not in _CONVOLUTIONS:
-        return False
-    out = meta_val(node)
-    out = out[0] if isinstance(out, (list, tuple)) else out
-    return isinstance(out, torch.Tensor) and out.ndim == 4 and not out.is_contiguous() \
-        and out.is_contiguous(memory_format=torch.channels_last)
-
 
 # --------------------------------------------------------------------------------------------
 # the driver
@@ -511,7 +269,7 @@ class GraphLowering:
         but nothing observes its layout except the convolution, which would copy it to
         channels-last first (cuDNN and oneDNN take both operands in one memory format): the
         copy Inductor avoids with its flexible layouts."""
-        if not _channels_last_conv(node):
+        if not channels_last_conv(node):
             return
         for a in args:
             if isinstance(a, ComputedValue) and a.ndim == 4:
@@ -537,7 +295,7 @@ class GraphLowering:
         if node in self.cat_slot_of:
             value.slot = self.cat_slot_of[node]     # stored (if at all) into its slice of a cat
         from .realize import broadcast_only_for_kernels, channels_last_inputs, should_store
-        if all(u.op == "output" for u in node.users) and node.users and not _is_view(node):
+        if all(u.op == "output" for u in node.users) and node.users and not is_view(node):
             # A value only the graph returns (an activation the forward saves for the backward)
             # is stored here, in eager's strides, not when the output node is reached: stored
             # there, its inputs stayed alive to the end of the graph (T5's pre-activations, one
@@ -557,7 +315,7 @@ class GraphLowering:
         # channels-last where the convolutions reading it take it so (a channel shuffle's half,
         # whose own node says NCHW: else ATen copies it to channels-last in every call), or where
         # it is an intermediate computed from channels-last buffers only
-        if value.ndim == 4 and ((readers and all(_channels_last_conv(r) for r in readers)) or
+        if value.ndim == 4 and ((readers and all(channels_last_conv(r) for r in readers)) or
                                 (all(u.op != "output" for u in node.users) and channels_last_inputs(self, value))):
             return self.realize(value, layout=channels_last_layout(value.shape))
         if broadcast_only_for_kernels(self, node, value):
@@ -566,9 +324,9 @@ class GraphLowering:
 
     def _fallback(self, node: fx.Node, reason: str) -> None:
         args, kwargs = self._args(node)
-        if node.target in _CONVOLUTIONS:
+        if node.target in CONVOLUTIONS:
             self._realize_channels_last(node, args)
-        if node.target in _ATTENTION_BIAS_ARG:
+        if node.target in ATTENTION_BIAS_ARG:
             from .realize import aligned_attention_bias
             args, kwargs = aligned_attention_bias(self, node, args, kwargs)
 
@@ -653,7 +411,7 @@ class GraphLowering:
         """A view output (a saved transpose of a matmul operand) lowered while its base was
         still unstored, rebuilt as a view of the base's buffer where something (the matmul)
         stored the base since: else the output would be a second copy of it."""
-        if not _is_view(node) or not isinstance(node.args[0], fx.Node):
+        if not is_view(node) or not isinstance(node.args[0], fx.Node):
             return None
         base = node.args[0]
         stored = self.stored_form(self.env.get(base)) or self._view_of_stored_base(base)
@@ -695,9 +453,6 @@ class GraphLowering:
         return name
 
 
-def _is_view(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in LOWERINGS and \
-        (getattr(node.target, "is_view", False) or node.target is aten._unsafe_view.default)
 
 
 def _output_layout(meta: Any) -> Layout | None:
@@ -728,16 +483,16 @@ def _sympy_float_to_node(e: Any) -> Node:
     if isinstance(e, (sympy.Integer, sympy.Float, sympy.Rational)):
         return const(float(e), f64)
     if name == "ToFloat":
-        return Node("cast", (_sympy_to_node(e.args[0]),), f64, f64)
+        return Node("cast", (sympy_to_node(e.args[0]),), f64, f64)
     if name == "IntTrueDiv":         # int / int in Python: a float quotient
-        num, den = (Node("cast", (_sympy_to_node(a),), f64, f64) for a in e.args)
+        num, den = (Node("cast", (sympy_to_node(a),), f64, f64) for a in e.args)
         return op("truediv", num, den, dtype=f64)
     if name == "FloatTrueDiv":
         return op("truediv", _sympy_float_to_node(e.args[0]), _sympy_float_to_node(e.args[1]), dtype=f64)
     if isinstance(e, (sympy.Add, sympy.Mul)):
         name = "add" if isinstance(e, sympy.Add) else "mul"
         parts = [_sympy_float_to_node(a) if a.is_integer is not True
-                 else Node("cast", (_sympy_to_node(a),), f64, f64) for a in e.args]
+                 else Node("cast", (sympy_to_node(a),), f64, f64) for a in e.args]
         out = parts[0]
         for p in parts[1:]:
             out = op(name, out, p, dtype=f64)

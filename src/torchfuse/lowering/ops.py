@@ -1,2 +1,2 @@
-"""Importing this module registers every op lowering in `lowering.LOWERINGS`."""
-from . import pointwise as lower_pointwise, pool as lower_pool, reduce as lower_reduce, views as lower_views  # noqa: F401
+"""Importing this module registers every op lowering in `registry.LOWERINGS`."""
+from . import pointwise, pool, reduce, views  # noqa: F401

@@ -7,14 +7,17 @@ the output dtype that the fx node's fake tensor reports.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from ..ir.buffers import ComputedValue, StridedValue, TensorValue, Unsupported
-from .graph import GraphLowering, register as _register
+from .registry import register as _register
 from ..ir.nodes import INDEX, Node, cast, const, op, where
+
+if TYPE_CHECKING:
+    from .graph import GraphLowering
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -16,15 +16,18 @@ or by `divisor_override`.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from ..ir.buffers import ComputedValue, TensorValue, Unsupported
 from .pointwise import register, upcast
 from .views import masked
-from .graph import GraphLowering, shape_of
+from .values import shape_of
 from ..ir.nodes import INDEX, Node, as_node, cast, const, floordiv, mod, op, where
+
+if TYPE_CHECKING:
+    from .graph import GraphLowering
 
 aten = torch.ops.aten
 

@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
-from .graph import (_ATTENTION_BIAS_ARG, LOWERINGS, REDUCTIONS, _is_view, _misaligned, aligned_bias_layout, shape_of, is_dense, layout_of, meta_val)
+from .registry import LOWERINGS, REDUCTIONS, is_view
+from .values import ATTENTION_BIAS_ARG, aligned_bias_layout, is_dense, layout_of, meta_val, misaligned, shape_of
 from ..ir.nodes import EXPENSIVE_OPS, Node, const, cost, unit_move, var
 from ..ir.nodes import loads as _loads, walk as _walk
 
@@ -131,7 +132,7 @@ def read_only_as_attention_bias(node: fx.Node) -> bool:
     if not node.users:
         return False
     for user in node.users:
-        spec = _ATTENTION_BIAS_ARG.get(user.target)
+        spec = ATTENTION_BIAS_ARG.get(user.target)
         if spec is None:
             return False
         pos, name = spec
@@ -214,7 +215,7 @@ def broadcast_only_for_kernels(lowering: Any, node: fx.Node, value: ComputedValu
         seen.add(user)
         if user.op != "call_function" or user.target not in LOWERINGS or str(user.target) in lowering.forced_fallbacks:
             return False
-        if _is_view(user):          # (a view's readers read the value through it)
+        if is_view(user):          # (a view's readers read the value through it)
             pending += list(user.users)
     return True
 
@@ -379,13 +380,13 @@ def aligned_attention_bias(lowering: Any, node: fx.Node, args: tuple, kwargs: di
     """A computed attention bias is written with aligned strides (`aligned_bias_layout`): a
     contiguous [windows, heads, 49, 49] bias has a batch stride of 7203 elements, which the
     CUDA kernels refuse."""
-    pos, name = _ATTENTION_BIAS_ARG[node.target]
+    pos, name = ATTENTION_BIAS_ARG[node.target]
     bias = args[pos] if pos < len(args) else kwargs.get(name)
     if not isinstance(bias, TensorValue) or bias.ndim < 2:
         return args, kwargs
     layout = aligned_bias_layout(bias.shape)
     stored = _broadcast_bias(lowering, bias) or lowering.stored(bias, layout)
-    if stored.layout.strides != layout.strides and _misaligned(stored.layout, layout):
+    if stored.layout.strides != layout.strides and misaligned(stored.layout, layout):
         # realized earlier for another reader, or a dense input: an aligned copy (one for
         # all the layers reading the same mask)
         key = (stored.buffer, stored.layout)

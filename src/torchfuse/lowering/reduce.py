@@ -6,14 +6,16 @@ Accumulation happens in fp32 for fp16/bf16 and in int64 for integer sums, as in 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
 from .pointwise import register, upcast
-from .graph import GraphLowering
 from ..ir.nodes import Node, cast, const, op
+
+if TYPE_CHECKING:
+    from .graph import GraphLowering
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -7,15 +7,18 @@ that remaps the index, so it fuses into its consumers.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
 from .cat_slots import cat_in_place
 from .pointwise import bcast_load, register, upcast
-from .graph import GraphLowering, _hint, layout_of, meta_val, shape_of, sym_to_node
+from .values import layout_of, meta_val, shape_of, size_hint, sym_to_node
 from ..ir.nodes import INDEX, Node, cast, const, cost, floordiv, load, mod, op, var, where
+
+if TYPE_CHECKING:
+    from .graph import GraphLowering
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -338,13 +341,13 @@ def _stored_in_order_of(lw, t: TensorValue, out: Any) -> TensorValue:
     bilinear upsample (NCHW by its decomposition's gathers) was written NCHW between two
     channels-last buffers: a transposed write, then a transposed read by the cat (0.73x
     Inductor on the CPU)."""
-    from .graph import channels_last_layout
+    from .values import channels_last_layout
     from .realize import channels_last_inputs
     if t.ndim == 4 and isinstance(t, ComputedValue) and channels_last_inputs(lw, t):
         return lw.stored(t, channels_last_layout(t.shape))    # as `_maybe_realize_one` stores it
     if not isinstance(out, torch.Tensor) or out.ndim != t.ndim:
         return lw.stored(t)
-    order = sorted(range(t.ndim), key=lambda d: (-_hint(out.stride()[d]), d))    # outermost first
+    order = sorted(range(t.ndim), key=lambda d: (-size_hint(out.stride()[d]), d))    # outermost first
     strides: list[Node] = [const(1)] * t.ndim
     for d, stride in zip(order, contiguous_strides([t.shape[d] for d in order])):
         strides[d] = stride

@@ -55,6 +55,14 @@ REGISTRY: dict[str, Pass] = {
     "accumulate_by_index_add": _accumulate_by_index_add,
 }
 
+def check_names(passes: tuple) -> None:
+    """Raise ValueError for a pass name that is neither built in nor registered (`passes`:
+    Config.passes, names and callables)."""
+    unknown = [v for v in passes if isinstance(v, str) and v not in REGISTRY]
+    if unknown:
+        raise ValueError(f"torchfuse: option passes: unknown pass(es) {unknown}; valid passes are {sorted(REGISTRY)}")
+
+
 # the pipeline a default Config runs (one list: Config.passes)
 DEFAULT_PIPELINE: tuple[str, ...] = Config.passes
 

@@ -8,9 +8,8 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from ._util import op_name
+from ._util import has_symbols, op_name  # noqa: F401  (has_symbols: passes import it from here)
 
 aten = torch.ops.aten
 
@@ -73,14 +72,6 @@ def same_meta(a: Any, b: Any) -> bool:
     return (a.dtype == b.dtype and a.device == b.device and a.layout == b.layout == torch.strided
             and same_seq(a.shape, b.shape) and same_seq(a.stride(), b.stride())
             and sym_eq(a.storage_offset(), b.storage_offset()))
-
-
-def has_symbols(val: Any) -> bool:
-    if isinstance(val, (tuple, list)):
-        return any(has_symbols(v) for v in val)
-    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return True
-    return isinstance(val, torch.Tensor) and bool(free_symbols(val))
 
 
 def val_of(node: Any) -> Any:

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 # Substrings of op names that draw from the RNG.  Most such ops carry the
 # `nondeterministic_seeded` tag; the names catch the few that do not (e.g. prims.inductor_random).
@@ -213,9 +214,16 @@ def is_foldable(node: fx.Node) -> bool:
     """Could this node be computed ahead of the call from its inputs' values alone?  A pure op
     (not random, mutating or an allocation of unspecified contents) without symbolic sizes
     (constant folding; hoisting parameter-only values out of inference calls)."""
-    from ._meta import has_symbols   # here: _meta imports this module
     if node.op != "call_function" or is_impure(node) or has_symbols(node.meta.get("val")):
         return False
     if node.target is operator.getitem:
         return True
     return isinstance(node.target, torch._ops.OpOverload) and op_name(node.target) not in EMPTY_OPS
+
+
+def has_symbols(val: Any) -> bool:
+    if isinstance(val, (tuple, list)):
+        return any(has_symbols(v) for v in val)
+    if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return True
+    return isinstance(val, torch.Tensor) and bool(free_symbols(val))

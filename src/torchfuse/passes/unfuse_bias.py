@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..lowering.graph import REDUCTIONS
+from ..lowering.registry import REDUCTIONS
 from ._meta import create_node, val_of
 from .context import PassContext
 

@@ -29,7 +29,7 @@ from typing import Iterator
 from ..config import Config
 from ..ir.buffers import AliasView, BufferRef, ComputedBuffer, FallbackCall, LoweredGraph
 from ..ir.nodes import Node, const, loads, to_text, var, walk
-from .tiling import dim_exprs, kernel_ranges, refine, rewrite
+from .tiling import dim_exprs, kernel_ranges, refine, rewrite, step_of
 
 log = logging.getLogger("torchfuse.fusion")
 
@@ -261,7 +261,6 @@ def _defines(item: Kernel | FallbackCall | AliasView) -> set[str]:
 def _unit_vars(index: Node) -> frozenset[str]:
     """The loop vars that move `index` by one element (remembered: every candidate kernel asks
     again about the same members)."""
-    from .loops import step_of
     return frozenset(n.arg for n in walk(index) if n.op == "var" and abs(step_of(index, n.arg)) == 1)
 
 

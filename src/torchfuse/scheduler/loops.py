@@ -16,8 +16,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from ..ir.nodes import Node, add, const, floordiv, loads, mod, mul, substitute, unit_move, var, walk
+from ..ir.nodes import Node, add, const, floordiv, loads, mod, mul, substitute, var, walk
 from .fusion import Kernel, Member
+from .tiling import step_of, stride_of
 
 log = logging.getLogger("torchfuse.loops")
 
@@ -135,32 +136,13 @@ def _split_innermost(members: list[Member], sizes: tuple[Node, ...], prefix: str
     return members, tuple(sizes)
 
 
-def _stride_of(expr: Node, name: str) -> float:
-    """The constant coefficient of var `name` in an affine index (inf if symbolic, 0 if absent)."""
-    from ..ir.nodes import _terms
-    coef: float = 0
-    for key, c in _terms(expr).items():
-        if any(f.op == "var" and f.arg == name for f in key):
-            coef = c if len(key) == 1 else float("inf")
-    return coef
-
-
-def step_of(expr: Node, name: str) -> float:
-    """How far the address moves when var `name` goes from 0 to 1, the other vars at 0: the
-    stride of an affine index, and also of an index that unflattens a split's chunk
-    (((x0 * C + y0) // W) % H * S1 + (y0 % W) * S2 ...), whose terms hide y0 inside // and %
-    (_stride_of sees no y0 term there).  Falls back to _stride_of when the index is symbolic."""
-    step = unit_move(expr, name)
-    return step if step is not None else _stride_of(expr, name)
-
-
 def _reorder_outer(members: list[Member], sizes: tuple[Node, ...]) -> tuple[list[Member], tuple[Node, ...]]:
     """Loop over the outer dims in the order of the output's memory layout (innermost = smallest
     stride), so a channels-last or transposed output is written contiguously."""
     ref = next((m for m in members if m.role in ("pointwise", "inner")), None)
     if ref is None or len(sizes) < 2:
         return members, sizes
-    strides = [_stride_of(ref.store, f"x{k}") for k in range(len(sizes))]
+    strides = [stride_of(ref.store, f"x{k}") for k in range(len(sizes))]
     order = sorted(range(len(sizes)), key=lambda k: -strides[k])
     if order == list(range(len(sizes))):
         return members, sizes

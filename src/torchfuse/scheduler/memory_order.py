@@ -13,12 +13,13 @@ ops: their order is observable), never past the first reader of an output.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
 import torch
 
-from ..ir.buffers import AliasView, FallbackCall
+from ..ir.buffers import AliasView, BufferRef, FallbackCall
 from .fusion import Kernel
 
 log = logging.getLogger("torchfuse")
@@ -26,13 +27,12 @@ log = logging.getLogger("torchfuse")
 
 def _pure(item: Any) -> bool:
     """May this step run at another time without anyone noticing (besides memory)?"""
-    from ..codegen.wrapper import _returns_fresh
     if isinstance(item, AliasView):
         return True
     if isinstance(item, Kernel):
         return not item.bindings
     if isinstance(item, FallbackCall):
-        if item.binds or item.target == "get_attr" or not _returns_fresh(item.target):
+        if item.binds or item.target == "get_attr" or not returns_fresh(item.target):
             return False
         # ATen's own ops only: a custom or collective op may be ordered for reasons its schema
         # does not say (communication overlap, a side channel)
@@ -58,9 +58,8 @@ def sink_steps(items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
     `nbytes(buffer)`: its size, None when symbolic.  An input a quarter of the step's outputs'
     size or less (a convolution's weight) may have its lifetime lengthened: that costs less
     than the outputs' later start saves."""
-    from ..codegen.wrapper import _step_refs
     order = list(items)
-    refs = {id(it): set(_step_refs(it, kernel_args)) for it in order}
+    refs = {id(it): set(step_refs(it, kernel_args)) for it in order}
     defs = {id(it): _defines(it) for it in order}
     pure = {id(it): _pure(it) for it in order}    # asked up to `horizon` times per step
     moved = 0
@@ -94,3 +93,31 @@ def sink_steps(items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
     if moved:
         log.debug("%s: %d step(s) moved later to start their outputs' lifetimes later", graph_name, moved)
     return order
+
+
+def step_refs(item: Any, kernel_args: dict[str, tuple[list[str], list[str]]]) -> list[str]:
+    """The buffers a wrapper step names: a kernel's arguments, a view's base, the tensors an ATen
+    call is given."""
+    if isinstance(item, Kernel):
+        return kernel_args[item.name][0]
+    if isinstance(item, AliasView):
+        return [item.base, *item.after]
+    refs: list[str] = []
+    if isinstance(item, FallbackCall):
+        _buffer_refs((item.args, list(item.kwargs.values())), refs)
+    return refs
+
+
+def _buffer_refs(a: Any, out: list[str]) -> None:
+    if isinstance(a, BufferRef):
+        out.append(a.buffer)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _buffer_refs(x, out)
+
+
+@functools.lru_cache(maxsize=None)
+def returns_fresh(op: Any) -> bool:
+    """Does an ATen op return new tensors (no result may share an argument's storage)?"""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)

@@ -33,7 +33,7 @@ from ..ir.buffers import ComputedBuffer, Layout, LoweredGraph, contiguous_stride
 from ..ir.nodes import (Node, cast, const, floordiv, load, loads, map_nodes, mod, op, substitute, sym, var,
                         walk, where)
 from .fusion import Kernel, Member, Schedule
-from .loops import _stride_of, step_of
+from .tiling import step_of, stride_of
 
 log = logging.getLogger("torchfuse.split")
 
@@ -178,7 +178,7 @@ def _inner_order(kernel: Kernel, red: list[Member]) -> list[int]:
     n = len(kernel.inner)
     for m in red:
         for ld in loads(m.body):
-            strides = [_stride_of(ld.args[0], f"y{j}") for j in range(n)]
+            strides = [stride_of(ld.args[0], f"y{j}") for j in range(n)]
             if any(strides):
                 return sorted(range(n), key=lambda j: -strides[j])
     return list(range(n))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.nodes import Node, _build, _factor_out, _terms, const, substitute, var
+from ..ir.nodes import Node, _build, _factor_out, _terms, const, substitute, unit_move, var
 
 Groups = list[list[int]]     # per dim of a shape: the refined dims it merges, outermost first
 
@@ -115,3 +115,21 @@ def kernel_ranges(sizes: tuple[Node, ...], nb: int) -> dict[str, Node]:
 def rewrite(n: Node, mapping: dict[Node, Node], ranges: dict[str, Node]) -> Node:
     """Substitute, simplifying a view's `i // d` and `i % d` against the refined loop sizes."""
     return substitute(n, mapping, ranges) if mapping else n
+
+
+def stride_of(expr: Node, name: str) -> float:
+    """The constant coefficient of var `name` in an affine index (inf if symbolic, 0 if absent)."""
+    coef: float = 0
+    for key, c in _terms(expr).items():
+        if any(f.op == "var" and f.arg == name for f in key):
+            coef = c if len(key) == 1 else float("inf")
+    return coef
+
+
+def step_of(expr: Node, name: str) -> float:
+    """How far the address moves when var `name` goes from 0 to 1, the other vars at 0: the
+    stride of an affine index, and also of an index that unflattens a split's chunk
+    (((x0 * C + y0) // W) % H * S1 + (y0 % W) * S2 ...), whose terms hide y0 inside // and %
+    (stride_of sees no y0 term there).  Falls back to stride_of when the index is symbolic."""
+    step = unit_move(expr, name)
+    return step if step is not None else stride_of(expr, name)

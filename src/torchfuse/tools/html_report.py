@@ -11,8 +11,6 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from ..report import graph_of
-
 if TYPE_CHECKING:
     from ..report import Explanation, KernelInfo
 
@@ -83,10 +81,10 @@ def render(report: "Explanation") -> str:
                      for f in fallbacks]
             body.append("</ul>")
         body.append(_items("passes that changed something",
-                           [p for p in report.changed_passes() if graph_of(p) == g]))
-        body.append(_items("memory", [m for m in report.memory if graph_of(m) == g]))
+                           [p for p in report.changed_passes() if report.graph_of(p) == g]))
+        body.append(_items("memory", [m for m in report.memory if report.graph_of(m) == g]))
         for text in report.graphs:
-            if graph_of(text) == g:
+            if report.graph_of(text) == g:
                 title = text.split("\n", 1)[0].lstrip("# ")
                 body.append(f"<details><summary>{_e(title)}</summary><pre>{_e(text)}</pre></details>")
     # (refused fusions name their kernels, not their graph: one list for the whole report)

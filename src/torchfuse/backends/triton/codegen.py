@@ -20,7 +20,8 @@ from typing import Sequence
 import torch
 
 from ...ir.nodes import INDEX, Node, free_syms, load, loads, to_text, walk
-from ...scheduler.loops import LoopPlan, _stride_of, rows_contiguous
+from ...scheduler.loops import LoopPlan, rows_contiguous
+from ...scheduler.tiling import stride_of
 from ...codegen.common import ExprEmitter
 
 TL = {
@@ -475,7 +476,7 @@ MIN_TILE_DIM = 16
 
 def _unit_dim(index: Node, ndim: int) -> int | None:
     """The loop dim along which `index` moves by exactly one element, if any."""
-    return next((k for k in range(ndim) if _stride_of(index, f"x{k}") == 1), None)
+    return next((k for k in range(ndim) if stride_of(index, f"x{k}") == 1), None)
 
 
 def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
@@ -496,7 +497,7 @@ def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
     produced = {m.buffer.name for m in plan.members}
     for m in plan.members:
         for ld in loads(m.body):
-            if ld.arg in produced or _stride_of(ld.args[0], f"x{xd}") == 0:
+            if ld.arg in produced or stride_of(ld.args[0], f"x{xd}") == 0:
                 continue            # a fused intermediate, or broadcast along x: no conflict
             yd = _unit_dim(ld.args[0], n)
             if yd is None or yd == xd:
