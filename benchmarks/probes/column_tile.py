@@ -20,7 +20,7 @@ import gpu_bench  # noqa: E402  (fresh caches, set before torch is imported)
 import torch  # noqa: E402
 
 from torchfuse.backends.triton import launch as triton_launch  # noqa: E402
-from torchfuse.scheduler import split  # noqa: E402
+from torchfuse.backends.triton import TritonBackend  # noqa: E402
 
 SHAPES = [(8192, 2304), (2048, 768), (2048, 3072), (2047, 1000), (32768, 768), (8 << 20, 8), (4096, 50257)]
 # (XBLOCK cap, XBLOCK floor, split tile, elements per step, warps); the first is the default
@@ -28,7 +28,7 @@ VARIANTS = [(64, 16, 64, 2048, 8), (64, 16, 64, 4096, 8), (64, 16, 64, 8192, 8),
             (32, 16, 32, 2048, 8)]
 
 
-_BASE = split.SplitParams.for_device
+_BASE = TritonBackend.split_params
 
 
 def _force(cap: int, floor: int, tile: int, elements: int, warps: int) -> None:
@@ -37,10 +37,10 @@ def _force(cap: int, floor: int, tile: int, elements: int, warps: int) -> None:
     triton_launch.COLUMN_ELEMENTS, triton_launch.COLUMN_WARPS = elements, warps
     triton_launch._modules.clear()      # launch plans are cached on the kernels: new modules
 
-    def for_device(device, num_threads, min_chunk=0):
-        params = _BASE(device, num_threads, min_chunk)
-        return dataclasses.replace(params, column_tile=tile) if device == "cuda" else params
-    split.SplitParams.for_device = staticmethod(for_device)
+    def split_params(self, num_threads, min_chunk=0):
+        params = _BASE(self, num_threads, min_chunk)
+        return dataclasses.replace(params, column_tile=tile) if self.device_type == "cuda" else params
+    TritonBackend.split_params = split_params
 
 
 def main() -> None:

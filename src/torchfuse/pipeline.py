@@ -1,7 +1,9 @@
-"""The core pipeline for one aten graph: passes -> lowering -> fusion -> codegen -> build -> wrapper.
+"""The compile driver for one aten graph: passes -> lowering -> fusion -> codegen -> build -> wrapper.
 
-Both front doors (Dynamo/AOTAutograd and, later, lazy eager fusion) call `compile_graph`.
-Every stage can be written to the debug folder as text.
+Both front doors (frontend/dynamo.py for Dynamo/AOTAutograd, lazy/cache.py for the lazy mode)
+call `compile_graph` (or `try_compile_graph`, which returns an `EagerFallback` instead of
+warning).  The graph's backend (backends.for_device) generates and builds the kernels; nothing
+here depends on which backend it is.  Every stage can be written to the debug folder as text.
 """
 from __future__ import annotations
 
@@ -19,10 +21,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from . import backends
+from .backends.base import GeneratedCode, GraphCode
+from .codegen.wrapper import WrapperBuilder, make_callable
 from .report import Explanation, FallbackInfo, KernelInfo
 from .config import Config
 from .counters import counters
-from .ir.buffers import Unsupported
+from .ir.buffers import LoweredGraph, Unsupported
 from .lowering.graph import lower_graph
 from .lowering.values import graph_device
 from .passes import PassContext, run_passes
@@ -30,21 +35,12 @@ from .passes.host_scalars import move_host_scalars
 from . import progress
 from .runtime.subgraphs import compile_subgraphs
 from .scheduler.fusion import buffer_readers, schedule
-from .scheduler.loops import plan_loops, rows_contiguous
+from .scheduler.loops import plan_loops
 from .scheduler.naming import name_kernels
-from .scheduler.split import SplitParams, split_reductions
+from .scheduler.split import split_reductions
 
 log = logging.getLogger("torchfuse")
 _graph_ids = itertools.count()
-
-
-def _eager(gm: fx.GraphModule) -> Callable:
-    def run(args: list) -> Any:
-        out = gm(*args)
-        args.clear()
-        return out
-    run._boxed_call = True  # type: ignore[attr-defined]
-    return run
 
 
 class DebugWriter:
@@ -85,11 +81,25 @@ def _warn_debug_once(message: str) -> None:
 
 def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: str = "forward",
                   report: Explanation | None = None, static_inputs: set[int] | None = None) -> Callable:
-    """Compile an aten graph into a boxed callable `fn(list_of_inputs) -> tuple_of_outputs`.
+    """Compile an aten graph into a boxed callable `fn(list_of_inputs) -> tuple_of_outputs`;
+    a graph that cannot be compiled runs eagerly, with a warning (and counters["eager_fallbacks"]).
 
     `static_inputs` are the positions of parameters and buffers (AOTAutograd's
     static_input_indices): in an inference graph what is computed from them alone is hoisted
     out of the per-call path (passes/hoist_static.py)."""
+    result = try_compile_graph(gm, config, inference=inference, kind=kind, report=report,
+                               static_inputs=static_inputs)
+    fallback = eager_fallback(result)
+    if fallback is not None:
+        warnings.warn(fallback.message)
+        counters.bump("eager_fallbacks")
+    return result
+
+
+def try_compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: str = "forward",
+                      report: Explanation | None = None, static_inputs: set[int] | None = None) -> Callable:
+    """compile_graph without its warning: the result is an EagerFallback (see `eager_fallback`)
+    where the graph cannot be compiled, and the caller decides what to say."""
     with progress.compiling(config):
         return _compile_graph(gm, config, inference, kind, report, static_inputs)
 
@@ -158,38 +168,67 @@ def source_lines(traces: dict[str, str | None], names: list[str]) -> list[str]:
     return out
 
 
+@dataclasses.dataclass
+class EagerFallback:
+    """A graph torchfuse could not compile, run as ATen ran it, with the reason: what
+    `try_compile_graph` returns instead of a compiled graph.  Boxed like a compiled graph."""
+    gm: fx.GraphModule
+    graph_name: str
+    stage: str          # "lowering", "codegen" or "build"
+    reason: str
+
+    _boxed_call = True
+
+    def __call__(self, args: list) -> Any:
+        out = self.gm(*args)
+        args.clear()
+        return out
+
+    @property
+    def message(self) -> str:
+        if self.stage == "build":
+            return (f"torchfuse: building the kernels of {self.graph_name} failed, so this graph runs "
+                    f"eagerly (set options={{'strict': True}} to raise instead).\n{self.reason}")
+        if self.stage == "codegen":
+            return f"torchfuse: {self.graph_name} runs eagerly: code generation failed: {self.reason}"
+        return f"torchfuse: {self.graph_name} runs eagerly: {self.reason}"
+
+
+def eager_fallback(fn: Callable) -> EagerFallback | None:
+    """The EagerFallback that `fn` (what try_compile_graph returned) is or runs, if any."""
+    inner = getattr(fn, "main", None)      # (runtime/static_values.StaticPrologue)
+    return fn if isinstance(fn, EagerFallback) else inner if isinstance(inner, EagerFallback) else None
+
+
 def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug: "DebugWriter",
-                     report: Explanation | None, t0: float) -> Callable:
+                     report: Explanation | None, t0: float) -> Callable | EagerFallback:
     """The stages after the graph passes: lowering, fusion, codegen, build, wrapper."""
     try:
         with counters.timed("lowering"):
             program, fallbacks = lower_graph(gm, config)
     except Unsupported as e:
-        warnings.warn(f"torchfuse: {graph_name} runs eagerly: {e}")
-        counters.bump("eager_fallbacks")
-        return _eager(gm)
+        return EagerFallback(gm, graph_name, "lowering", str(e))
     debug.write("loop_ir.txt", lambda: str(program))
+    device = program_device(program)
+    backend = backends.for_device(device, config)
     with counters.timed("schedule"):
         sched = schedule(program, config)
-        if config.split_reductions:
-            sched = split_reductions(sched, program, buffer_readers(sched, program), _split_params(program, config))
+        if config.split_reductions and backend.features.split_reductions:
+            sched = split_reductions(sched, program, buffer_readers(sched, program),
+                                     backends.split_params(device, config))
         sched = name_kernels(sched)
     debug.write("fusion.txt", lambda: str(sched))
     counters.bump("fallback_ops", len(fallbacks))
     for node, op, reason in fallbacks:
         log.debug("%s: %s runs through ATen: %s", graph_name, op, reason)
 
-    from .codegen.wrapper import WrapperBuilder, py_index
-
     t_codegen = time.perf_counter()
     readers = buffer_readers(sched, program)
-    dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
-    device = program_device(program)
-    backend = "triton" if device == "cuda" else config.cpu_backend
-    plans = [plan_loops(kernel, readers, split=backend == "cpp") for kernel in sched.kernels]
+    graph = GraphCode(program, {name: meta[2] for name, meta in program.buffer_meta.items()}, config)
+    plans = [plan_loops(kernel, readers, split=backend.features.split_loops) for kernel in sched.kernels]
     stored = set().union(*(p.stored for p in plans)) if plans else set()
     kernel_args: dict[str, tuple[list[str], list[str]]] = {}
-    kernel_calls: dict[str, str] = {}
+    launch_calls: dict[str, str] = {}
     site_calls: dict[str, str] = {}
     sites: dict[str, tuple] = {}
     sources, infos = [], []
@@ -197,43 +236,17 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     unique: dict[str, str] = {}
     aliases: dict[str, str] = {}
     register_only: set[str] = set()
-    int32_buffers = _int32_addressable(program) if backend != "triton" else frozenset()
     try:
         for plan in plans:
             kernel = plan.kernel
-            if backend == "triton":
-                from .backends.triton import codegen as tgen
-                src, bufs, syms = tgen.kernel_source(plan, dtypes)
-                xnumel = py_index(_product(plan.outer))
-                big = _needs_64bit_expr(program, bufs, plan)
-                tile = tgen.tile_dims(plan)
-                if tile is not None:
-                    ny, nx = (py_index(plan.outer[d]) for d in tile)
-                    helper, variants, sizes, kw = "_launch_tiled", [f"{kernel.name}_tiled"], [nx, ny, xnumel, big], {}
-                    sym = tuple(_symbolic(plan.outer[d]) for d in reversed(tile))
-                elif kernel.kind == "pointwise":
-                    helper, variants, sizes, kw = "_launch_pointwise", [kernel.name], [xnumel, big], {}
-                    sym = (_symbolic(_product(plan.outer)),)
-                else:
-                    helper, variants = "_launch_reduction", [f"{kernel.name}_persistent", f"{kernel.name}_looped"]
-                    sizes = [xnumel, py_index(_product(plan.inner)), big]
-                    kw = {"xfast": True} if rows_contiguous(plan) else {}
-                    if not kw and _always_persistent(plan):
-                        # values the row's later loops read back stay in registers: no buffer
-                        register_only |= plan.carried
-                    sym = (_symbolic(_product(plan.outer)), _symbolic(_product(plan.inner)))
-                if any(sym):       # block sizes that hold for every value (triton_launch._LARGE)
-                    kw["sym"] = sym
-                # the wrapper calls the kernel's own call site; the helper call (the same launch)
-                # is what the parallel precompile plans from
-                kernel_calls[kernel.name] = (f"{helper}({', '.join(variants + sizes + bufs + syms)}"
-                                             + "".join(f", {k}={v!r}" for k, v in kw.items()) + ")")
-                site_calls[kernel.name] = f"{kernel.name}_site({', '.join(sizes + bufs + syms)})"
-                sites[kernel.name] = (helper, variants, len(sizes), len(bufs), len(syms), kw)
-            else:
-                from .backends.cpp import codegen as cpp
-                src, bufs, syms = cpp.kernel_source(plan, dtypes, config.parallel_threshold, int32_buffers)
-            kernel_args[kernel.name] = (bufs, syms)
+            code = backend.kernel(plan, graph)
+            src, bufs = code.source, code.buffers
+            kernel_args[kernel.name] = (bufs, code.symbols)
+            register_only |= code.register_only
+            if code.site is not None:
+                sites[kernel.name], site_calls[kernel.name] = code.site, code.site_call
+            if code.launch_call is not None:
+                launch_calls[kernel.name] = code.launch_call
             # Identical kernels (every layer of a transformer) are compiled once: compare sources
             # with buffer names replaced by their argument positions.
             canon = _canonical(src, kernel.name, bufs)
@@ -245,17 +258,15 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
             if report is not None:
                 writes = [f"{m.buffer.name} ({m.buffer.origins[-1] if m.buffer.origins else '?'})"
                           for m in kernel.members if m.buffer.name in plan.stored]
-                infos.append(KernelInfo(kernel.name, backend, src, list(kernel.origins), kernel.kind, graph_name,
+                infos.append(KernelInfo(kernel.name, backend.name, src, list(kernel.origins), kernel.kind, graph_name,
                                         source_lines(traces, kernel.origins), writes))
     except NotImplementedError as e:
         if config.strict:
             raise
-        warnings.warn(f"torchfuse: {graph_name} runs eagerly: code generation failed: {e}")
-        counters.bump("eager_fallbacks")
-        return _eager(gm)
+        return EagerFallback(gm, graph_name, "codegen", str(e))
     counters.bump("kernels_generated", len(sources))
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls, register_only,
-                             reductions_in_place=backend == "triton")
+                             reductions_in_place=backend.features.reductions_in_place)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
     debug.write("memory.txt", builder.memory.describe() + "\n")
@@ -267,60 +278,36 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         report.kernels += infos
         report.fallbacks += [FallbackInfo(n, op, reason, graph_name) for n, op, reason in fallbacks]
         report.refused_fusions += sched.refused
-    code = GeneratedCode(backend, wrapper_src, builder.globals, sources,
+    code = GeneratedCode(backend.name, wrapper_src, builder.globals, sources,
                          {k: v for k, v in kernel_args.items() if k not in aliases}, aliases, sites)
+    launches = [(launch_calls[k.name], k.bindings) for k in sched.kernels if k.name in launch_calls]
     try:
-        call = build_and_link(code, config, debug, lambda kernels: _precompile({**code.globals, **kernels}, kernel_calls,
-                                                                               sched, program, config))
-    except Exception as e:   # a kernel that fails to build: warn once, run this graph eagerly
+        call = build_and_link(code, config, debug, lambda kernels: backend.precompile(
+            {**code.globals, **kernels}, launches, sched, program, config))
+    except Exception as e:   # a kernel that fails to build: this graph runs eagerly
         if config.strict:
             raise
-        warnings.warn(f"torchfuse: building the kernels of {graph_name} failed, so this graph runs "
-                      f"eagerly (set options={{'strict': True}} to raise instead).\n{e}")
-        counters.bump("eager_fallbacks")
-        return _eager(gm)
+        return EagerFallback(gm, graph_name, "build", str(e))
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
     return call
 
 
-@dataclasses.dataclass
-class GeneratedCode:
-    """What code generation made of one graph, all a restart needs to link it again without
-    running any stage (frontend/saved_program.py stores it): the wrapper, its constants, the
-    kernel sources and argument lists, kernels identical to an earlier one, and the Triton
-    kernels' launch sites."""
-    backend: str
-    wrapper: str
-    globals: dict
-    sources: list[str]
-    kernel_args: dict[str, tuple[list[str], list[str]]]
-    aliases: dict[str, str]
-    sites: dict[str, tuple]
-
-
 def build_and_link(code: GeneratedCode, config: Config, debug: "DebugWriter",
                    precompile: Callable[[dict], Future | None] | None = None) -> Callable:
     """Build (or load from the kernel cache) the kernels of `code` and bind its wrapper to them;
-    `precompile` starts compiling Triton kernels ahead of their first launch (a fresh compile
-    knows the launches; a restart leaves that to Triton's own cache), and the first call waits
+    `precompile` starts compiling the kernels ahead of their first launch (a fresh compile knows
+    the launches; a restart leaves that to the backend's own cache), and the first call waits
     for it."""
+    backend = backends.by_name(code.backend)
     with counters.timed("build"):
-        kernels = _build(code.backend, code.sources, code.kernel_args, config, debug)
+        kernels = backend.build(code, config, debug.write)
     for dup, first in code.aliases.items():
-        for suffix in ("", "_persistent", "_looped", "_tiled"):
+        for suffix in backend.variant_suffixes:
             if first + suffix in kernels:
                 kernels[dup + suffix] = kernels[first + suffix]
-    if code.sites:
-        from .backends.triton.launch import make_site
-        for name, (helper, variants, n_sizes, n_bufs, n_syms, kw) in code.sites.items():
-            kernels[f"{name}_site"] = make_site(kernels[helper], [kernels[v] for v in variants], n_sizes, n_bufs,
-                                                n_syms, **kw)
-    pending = None
-    if precompile is not None and code.backend == "triton" and not config.autotune and config.compile_workers != 1:
-        with counters.timed("precompile"):
-            pending = precompile(kernels)
-    from .codegen.wrapper import make_callable
+    backend.link(code, kernels)
+    pending = precompile(kernels) if precompile is not None else None
     call = make_callable(code.wrapper, code.globals, kernels)
     if pending is not None:
         call = _first_call_waits(pending, call)
@@ -343,67 +330,10 @@ def _first_call_waits(pending: Future, call: Callable) -> Callable:
     return call_after_precompile
 
 
-def _precompile(scope: dict, kernel_calls: dict[str, str], sched, program, config: Config) -> Future | None:
-    """Start compiling the graph's Triton kernels in parallel instead of one by one on first launch.
-    `scope`: the wrapper's globals and kernels (a split reduction's binding calls `_split_factor`:
-    without it, a symbolic graph's split reductions compiled one by one on first launch, 76
-    of a ResNet-18 training step's 120 kernels on an H200)."""
-    from .backends.triton.precompile import default_workers, enabled, plan_launches, precompile, symbol_values
-    if not enabled():
-        return None
-    calls = [(kernel_calls[k.name], k.bindings) for k in sched.kernels if k.name in kernel_calls]
-    dtypes = {name: meta[2] for name, meta in program.buffer_meta.items()}
-    launches = plan_launches(calls, scope, dtypes, symbol_values(program))
-    return precompile(launches, config.compile_workers or default_workers())
-
-
-def _split_params(program, config: Config) -> SplitParams:
-    device = program_device(program)
-    if device == "cuda" and not torch.cuda.is_available():
-        device = "cpu"
-    backend = "triton" if device == "cuda" else config.cpu_backend
-    return SplitParams.for_device(device, config.num_threads or torch.get_num_threads(), config.split_min_chunk,
-                                  backend)
-
-
-def _needs_64bit_expr(program, bufs: list[str], plan) -> str:
-    """A Python expression: can any element offset of this kernel pass 2**31?  Offsets are at
-    most sum((size-1)*stride) of each buffer's layout (and the loop's own numel); for static
-    shapes this folds to a constant at compile time."""
-    from .codegen.wrapper import py_index
-    terms = [py_index(_product(plan.outer + plan.inner))]
-    terms += [py_index(_span(program.buffer_meta[b])) for b in bufs]
-    if all(t.lstrip("-").isdigit() for t in terms):
-        return str(max(int(t) for t in terms) >= 2 ** 31 - 2 ** 20)
-    return f"max({', '.join(terms)}) >= {2 ** 31 - 2 ** 20}"
-
-
-def _span(meta) -> Node:
-    """The largest element offset of a buffer's layout: sum((size-1)*stride)."""
-    from .ir.nodes import const
-    sizes, strides = meta[0], meta[1]
-    span = const(0)
-    for sz, st in zip(sizes, strides):
-        span = span + (sz - 1) * st
-    return span
-
-
-def _int32_addressable(program) -> frozenset[str]:
-    """Buffers of static layout whose every element offset fits an int32 (C++ gathers from them
-    index with int32: see backends/cpp/codegen.py's Emitter)."""
-    out = set()
-    for name, meta in program.buffer_meta.items():
-        span = _span(meta)
-        if span.op == "const" and span.arg < 2 ** 31 - 2 ** 20:
-            out.add(name)
-    return frozenset(out)
-
-
 def _canonical(src: str, name: str, bufs: list[str]) -> str:
     """The kernel's source with its arguments named by position and every other buffer name
     (accumulators such as `acc_buf38`, locals) by order of first appearance: kernels equal
     under this renaming are the same code."""
-    import re
     mapping = {b: f"arg{i}" for i, b in enumerate(bufs)}
 
     def rename(m: re.Match) -> str:
@@ -420,7 +350,7 @@ def _graph_device(gm: fx.GraphModule) -> str:
     return device.type if device is not None else "cpu"
 
 
-def program_device(program) -> str:
+def program_device(program: LoweredGraph) -> str:
     device = graph_device(val for _, val in program.inputs)
     if device is not None:
         return device.type
@@ -428,65 +358,6 @@ def program_device(program) -> str:
         if meta[3] is not None:
             return torch.device(meta[3]).type
     return "cpu"
-
-
-def _always_persistent(plan: Any) -> bool:
-    """Does the launcher always pick this Triton reduction's persistent variant (the whole row
-    in registers)?  Rows of a known length within the limit, not walked as column tiles."""
-    from .backends.triton.launch import PERSISTENT_LIMIT
-    rnumel = _product(plan.inner)
-    return rnumel.op == "const" and rnumel.arg <= PERSISTENT_LIMIT
-
-
-def _symbolic(size: Any) -> bool:
-    return size.op != "const"
-
-
-def _product(sizes):
-    from .ir.nodes import const
-    out = const(1)
-    for s in sizes:
-        out = out * s
-    return out
-
-
-def _build(backend: str, sources: list[str], kernel_args: dict, config: Config, debug: DebugWriter) -> dict:
-    """Compile all kernels of a graph (one C++ translation unit / one Triton module)."""
-    kernels: dict[str, Any] = {}
-    if not sources:
-        return kernels
-    if backend == "triton":
-        from .backends.triton.codegen import module_source
-        from .backends.triton.launch import (ensure_interpreter_if_cpu, launch_pointwise, launch_reduction, launch_tiled, load_module)
-        ensure_interpreter_if_cpu("cpu" if config.cpu_backend == "triton" else "cuda")
-        module_src = module_source(sources, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
-        debug.write("kernels_triton.py", module_src)
-        module = load_module(module_src, config)
-        for name in kernel_args:
-            for variant in (name, f"{name}_persistent", f"{name}_looped", f"{name}_tiled"):
-                if hasattr(module, variant):
-                    kernels[variant] = getattr(module, variant)
-        kernels["_launch_pointwise"] = launch_pointwise
-        kernels["_launch_reduction"] = launch_reduction
-        kernels["_launch_tiled"] = launch_tiled
-        return kernels
-    from .backends.cpp import codegen as cpp
-    from .backends.cpp.build import load_library
-    unit = cpp.translation_unit(sources)
-    debug.write("kernels.cpp", unit)
-    lib = load_library(unit, config)
-    lib.tf_set_num_threads(config.num_threads or torch.get_num_threads())
-    for name in kernel_args:
-        kernels[name] = getattr(lib, name)
-        _set_argtypes(kernels[name], kernel_args[name])
-    return kernels
-
-
-def _set_argtypes(fn: Any, args: tuple[list[str], list[str]]) -> None:
-    import ctypes
-    bufs, syms = args
-    fn.argtypes = [ctypes.c_void_p] * len(bufs) + [ctypes.c_int64] * len(syms)
-    fn.restype = None
 
 
 def _fp32_matmul_tf32() -> bool:

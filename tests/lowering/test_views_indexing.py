@@ -345,8 +345,8 @@ def test_cat_of_many_parts_runs_through_aten(tf, backend):
     """More parts than the backend fuses (an RNN's stacked hidden states; 4 for C++, whose vector
     loop issues every part's load, 32 for Triton): ATen's cat copies them in one pass instead of
     a kernel testing every part's range per element; up to the limit they stay fused."""
-    from torchfuse.lowering.views import CAT_MAX_FUSED_PARTS, CAT_MAX_FUSED_PARTS_CPP
-    limit = CAT_MAX_FUSED_PARTS_CPP if backend == "cpp" else CAT_MAX_FUSED_PARTS
+    from torchfuse import backends
+    limit = backends.by_name(backend).features.max_fused_cat_parts
     opts = {"cpu_backend": backend}
     xs = [tf.rand((3, 5)) for _ in range(limit + 1)]
     e = tf.check(lambda *xs: torch.stack([x * (k + 1) for k, x in enumerate(xs)], 1) * 2, *xs, min_kernels=1,

@@ -211,7 +211,8 @@ GPU_LIKE = SplitParams(target=64, min_chunk=256, min_numel=4096, gather_chunk=64
 def gpu_like_split(monkeypatch):
     """SplitParams as on a GPU (gathers split early, columns counted in tiles of 32 rows)."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(SplitParams, "for_device", staticmethod(lambda *a, **k: GPU_LIKE))
+    from torchfuse import backends
+    monkeypatch.setattr(backends, "split_params", lambda *a, **k: GPU_LIKE)
 
 
 @pytest.mark.parametrize("rows", [2048, 2047])

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 from torch._decomp import get_decompositions
 
+from .. import backends
+from ..config import Config
+
 aten = torch.ops.aten
 
 DECOMPOSE = [
@@ -45,18 +48,18 @@ DECOMPOSE = [
 _table: dict | None = None
 
 
-def decomposition_table(triton_on_cpu: bool | None = None) -> dict:
-    """The table for AOTAutograd.  With `triton_on_cpu` given (the compile path), max pooling
-    also decomposes to the low-memory form where the Triton backend runs it: on CUDA always,
-    on CPU when `cpu_backend="triton"` (the C++ backend leaves pooling to ATen)."""
+def decomposition_table(config: Config | None = None) -> dict:
+    """The table for AOTAutograd.  With the `config` given (the compile path), max pooling also
+    decomposes to the low-memory form on devices whose backend pools in its kernels
+    (backends.base.Features.pooling: not the C++ backend, which leaves pooling to ATen)."""
     base = _base_table()
     from ..lowering.pool import POOL_WITH_OFFSETS
-    if triton_on_cpu is None or POOL_WITH_OFFSETS is None or aten.max_pool2d_with_indices.default in base:
+    if config is None or POOL_WITH_OFFSETS is None or aten.max_pool2d_with_indices.default in base:
         return base     # (a user's own decomposition of max pooling wins)
-    return {**base, aten.max_pool2d_with_indices.default: _max_pool_low_memory(triton_on_cpu)}
+    return {**base, aten.max_pool2d_with_indices.default: _max_pool_low_memory(config)}
 
 
-def _max_pool_low_memory(triton_on_cpu: bool):
+def _max_pool_low_memory(config: Config):
     """max_pool2d_with_indices as (values, int8 window offsets) plus a pointwise conversion to
     indices.  A training step saves what the backward reads: ATen's int64 indices are 8 bytes
     per pooled element (100 MB in a ResNet-50 step at batch 64), the offsets 1; the min-cut
@@ -65,7 +68,7 @@ def _max_pool_low_memory(triton_on_cpu: bool):
     from ..lowering.pool import MAX_WINDOW, OFFSETS_TO_INDICES, POOL_WITH_OFFSETS, pair
 
     def max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-        if not (x.device.type == "cuda" or (triton_on_cpu and x.device.type == "cpu")):
+        if not backends.for_device(x.device, config).features.pooling:
             return NotImplemented
         if x.ndim not in (3, 4) or not x.dtype.is_floating_point:
             return NotImplemented

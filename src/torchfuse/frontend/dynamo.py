@@ -15,7 +15,7 @@ from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
-from .. import progress
+from .. import backends, progress
 from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
 from ..passes import check_names
 from .decompositions import decomposition_table
@@ -77,7 +77,7 @@ class TorchfuseBackend:
                 aot = aot_autograd(fw_compiler=backend._compiler("forward", training, cached),
                                    bw_compiler=backend._compiler("backward", training, cached),
                                    inference_compiler=backend._compiler("inference", training, cached),
-                                   decompositions=decomposition_table(config.cpu_backend == "triton"),
+                                   decompositions=decomposition_table(config),
                                    partition_fn=partition,
                                    # input mutations stay in the graph as copy_ (inference graphs,
                                    # and in training the ones autograd cannot see: batch norm's
@@ -132,20 +132,13 @@ def _static_input_indices() -> set[int]:
 
 
 def _start_compile_workers(example_inputs: list, config: Config) -> None:
-    """A CUDA graph's Triton kernels compile in worker processes; start them now, so they start
-    (import Triton, compile a first kernel) while torchfuse lowers the graph."""
-    if config.compile_workers == 1 or config.autotune:
-        return
-    if not any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs):
-        return
-    from ..backends.triton import compile_workers, precompile as triton_precompile
-    try:
-        if triton_precompile.enabled():
-            from triton.runtime.driver import driver
-            compile_workers.pool(config.compile_workers or triton_precompile.default_workers()).start(
-                driver.active.get_current_target())
-    except Exception as e:    # only a head start: without workers, the kernels compile in this process
-        log.debug("torchfuse: compile workers not started: %s: %s", type(e).__name__, e)
+    """Let the backends of the inputs' devices start what they need early (Triton on a GPU: its
+    compile workers), while torchfuse lowers the graph."""
+    for device_type in dict.fromkeys(x.device.type for x in example_inputs if isinstance(x, torch.Tensor)):
+        try:
+            backends.for_device(device_type, config).warm_up(config)
+        except Exception as e:    # only a head start: without workers, the kernels compile in this process
+            log.debug("torchfuse: compile workers not started: %s: %s", type(e).__name__, e)
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:

@@ -106,7 +106,11 @@ def restore(blob: bytes, config: Config) -> Callable | None:
     if hashlib.sha256(data).digest() != digest:
         log.warning("torchfuse: stored generated code failed its checksum; compiling the graph again")
         return None
-    payload = pickle.loads(data)
+    try:
+        payload = pickle.loads(data)
+    except (ImportError, AttributeError) as e:   # stored by a torchfuse whose classes lived elsewhere
+        log.info("torchfuse: stored generated code is from another torchfuse (%s); compiling the graph again", e)
+        return None
     if payload.get("format") != _FORMAT or payload["source"] != source_hash() or payload["torch"] != torch.__version__:
         log.info("torchfuse: stored generated code is from another torchfuse or torch; compiling the graph again")
         return None

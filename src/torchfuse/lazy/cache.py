@@ -390,7 +390,7 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ..frontend.decompositions import decomposition_table
-    from ..pipeline import compile_graph
+    from ..pipeline import compile_graph, eager_fallback, try_compile_graph
     counters.bump("lazy_compiles")
     nleaves = len(leaves)
 
@@ -429,14 +429,12 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
             raise RuntimeError("compiled with static sizes before")
         gm = traced("symbolic", replay_of(steps, pattern), [*leaves, *ints])
         vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        before = counters["eager_fallbacks"]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            call = compile_graph(gm, ctx.config, inference=True, kind="lazy", report=report)
-        if counters["eager_fallbacks"] != before:
-            # not final: the static attempt below decides
-            counters.bump("eager_fallbacks", before - counters["eager_fallbacks"])
-            raise RuntimeError("; ".join(str(w.message) for w in caught) or "eager fallback")
+            call = try_compile_graph(gm, ctx.config, inference=True, kind="lazy", report=report)
+        fallback = eager_fallback(call)
+        if fallback is not None:
+            raise RuntimeError(fallback.message)     # not final: the static attempt below decides
         for w in caught:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         guard = _guards(vals)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from .. import backends
+from ..backends.base import Backend
 from ..config import Config
 from ..ir.buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout, LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
 from .cat_slots import CatPlan, plan_cat_slots, slot_layout
@@ -66,6 +68,11 @@ class GraphLowering:
         self.slices: dict[str, tuple[str, Node]] = {}
 
     # -- helpers used by the op lowerings ---------------------------------------------------
+    @property
+    def backend(self) -> Backend | None:
+        """The backend that compiles this graph (None until its inputs name a device)."""
+        return backends.for_device(self.device, self.config) if self.device is not None else None
+
     def new_name(self, prefix: str = "buf") -> str:
         self._count += 1
         return f"{prefix}{self._count - 1}"

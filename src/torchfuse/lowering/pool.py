@@ -60,10 +60,8 @@ def pair(v: Any, default: Sequence[int] | None = None) -> tuple[int, int]:
 
 
 def _window(lw: GraphLowering, x: TensorValue, kernel: Any, stride: Any, padding: Any, dilation: Any) -> tuple:
-    if lw.device is not None and lw.device.type == "cpu" and lw.config.cpu_backend == "cpp":
-        # g++ does not vectorize the window's masked loads: 6-40x slower than ATen's oneDNN
-        # pooling on channels-last tensors, and a fused producer is recomputed per window element
-        raise Unsupported("pooling on the C++ backend (ATen's vectorized pooling is faster)")
+    if lw.backend is not None and not lw.backend.features.pooling:
+        raise Unsupported(f"pooling on the {lw.backend.title} backend (ATen's vectorized pooling is faster)")
     if not isinstance(x, TensorValue) or x.ndim not in (3, 4):
         raise Unsupported("pooling of a tensor that is not 3-d or 4-d")
     if not x.dtype.is_floating_point:

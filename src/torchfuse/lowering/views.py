@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, contiguous_strides
+from ..backends.base import Features
 from .cat_slots import cat_in_place
 from .pointwise import bcast_load, register, upcast
 from .values import layout_of, meta_val, shape_of, size_hint, sym_to_node
@@ -325,13 +326,8 @@ def Node_load_masked(ld: Node, mask: Node) -> Node:
     return type(ld)("load", (ld.args[0], mask), ld.arg, ld.dtype)
 
 
-# A fused cat tests every part's range and issues every part's (masked) load for each element:
-# about six instructions a part, against the ~100-200 a memory-bound element can hide on a GPU.
-CAT_MAX_FUSED_PARTS = 32
-# The C++ backend's vector loop has no latency to hide them behind: on 2 cores an LSTM's stack of
-# 16 hidden states ran 0.84 -> 0.77 ms per call through ATen's cat, a GRU's 0.69 -> 0.60 and
-# DenseNet's feature cats 1.71 -> 1.64 with this limit instead of 32 (8: in between).
-CAT_MAX_FUSED_PARTS_CPP = 4
+# The default of backends.base.Features, which holds before the graph's device is known.
+CAT_MAX_FUSED_PARTS = Features.max_fused_cat_parts
 
 
 def _stored_in_order_of(lw, t: TensorValue, out: Any) -> TensorValue:
@@ -363,8 +359,7 @@ def _cat(lw, tensors, dim=0):
     in_place = cat_in_place(lw, tensors)     # some part was stored into its slice already
     if in_place is not None:
         return in_place
-    cpp = lw.device is not None and lw.device.type == "cpu" and lw.config.cpu_backend == "cpp"
-    limit = CAT_MAX_FUSED_PARTS_CPP if cpp else CAT_MAX_FUSED_PARTS
+    limit = lw.backend.features.max_fused_cat_parts if lw.backend is not None else CAT_MAX_FUSED_PARTS
     if len(parts) > limit:
         # 64 parts (an RNN's stacked hidden states) ran 25x slower fused than ATen's cat, which
         # copies the parts (stored anyway, for the next step's matmul) in one pass

@@ -119,18 +119,18 @@ def triton_cache_dir() -> Path:
 def populate(key: str, content: bytes) -> None:
     """Write one loaded entry into its cache (torch calls this from `load_cache_artifacts`)."""
     from ..config import Config
-    from .cache_dir import atomic_write, cache_folder
+    from .cache_dir import GRAPHS, LIBRARIES, TRITON_MODULES, atomic_write, cache_folder
     kind, _, path = key.partition("/")
     parts = path.split("/")
     if not path or not all(_PART.match(p) and p not in (".", "..") for p in parts):
         log.warning("torchfuse: ignoring a cache artifact with an unexpected name: %r", key)
         return
-    if kind not in ("triton", "graphs", "cpp"):
+    if kind not in (TRITON_MODULES, GRAPHS, LIBRARIES):
         log.warning("torchfuse: ignoring a cache artifact of unknown kind %r", kind)
         return
     target = None
     try:
-        if kind == "triton":
+        if kind == TRITON_MODULES:
             folder = triton_cache_dir() / parts[0]
             target = folder.joinpath(*parts[1:])
             content = content.replace(_TRITON_DIR, str(folder).encode())

@@ -118,20 +118,25 @@ def touch(path: Path) -> None:
         pass
 
 
+# The cache's folders: built C++ libraries (each with a JSON sidecar and a build lock), Triton
+# modules and binaries, compiled graphs.
+LIBRARIES, TRITON_MODULES, GRAPHS = "cpp", "triton", "graphs"
+
+
 def _entries(root: Path) -> list[tuple[float, int, str, Path]]:
     """(last use, bytes, kind, what to remove) for every entry under `root`."""
     out = []
-    for meta in (root / "cpp").glob("*/*.json"):
+    for meta in (root / LIBRARIES).glob("*/*.json"):
         so = meta.with_suffix(".so")
         try:
             out.append((meta.stat().st_mtime, meta.stat().st_size + (so.stat().st_size if so.exists() else 0),
-                        "cpp", meta))
+                        LIBRARIES, meta))
         except OSError:
             continue
-    for module in (root / "triton").glob("tf_*.py"):
+    for module in (root / TRITON_MODULES).glob("tf_*.py"):
         try:
             st = module.stat()
-            out.append((st.st_mtime, st.st_size, "triton", module))
+            out.append((st.st_mtime, st.st_size, TRITON_MODULES, module))
         except OSError:
             continue
     graphs = root / "graphs"
@@ -148,7 +153,7 @@ def _entries(root: Path) -> list[tuple[float, int, str, Path]]:
 
 def _remove(kind: str, path: Path) -> bool:
     import filelock
-    if kind == "cpp":
+    if kind == LIBRARIES:
         lock = filelock.FileLock(str(path.with_suffix(".lock")), timeout=0)
         try:
             lock.acquire()

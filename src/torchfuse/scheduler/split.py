@@ -58,34 +58,24 @@ class SplitParams:
     column_fewest: int = 4      # fewest partials worth a second kernel for column tiles
 
     @staticmethod
-    def for_device(device: str, num_threads: int, min_chunk: int = 0, backend: str = "") -> "SplitParams":
-        """Defaults per device and code generator (`backend`: "triton" or "cpp"; the device's
-        own by default); `min_chunk` (Config.split_min_chunk) overrides the chunk size (tests
-        use it to split small tensors)."""
-        backend = backend or ("triton" if device == "cuda" else "cpp")
-        column_tile, column_fewest = 1, 2
-        if device == "cuda":
-            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            # a launch costs a few microseconds: below ~256K elements one program is as fast
-            target, chunk, numel = 2 * sms, 4096, 1 << 18
-            gather_chunk, gather_numel, column_tile = 256, 1 << 12, 64   # triton_launch.COLUMN_XBLOCK
-            # Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
-            # [2048, 768-3072] weight-gradient sums of a training step) and cost a second kernel.
-            column_fewest = 4
-        else:
-            # 4 chunks per thread balance the load; OpenMP start-up wants >= ~64K elements each
-            target, chunk, numel = 4 * max(1, num_threads), 1 << 16, 1 << 20
-            gather_chunk, gather_numel = 0, 0
-            if backend == "cpp":
-                # codegen.cpp.COLUMN_TILE: a batch norm's 64 channels are one tile, one thread
-                # unless the rows split (Triton's interpreter on a CPU does not count tiles)
-                column_tile = 64
+    def make(target: int, chunk: int, numel: int, *, gather_chunk: int = 0, gather_numel: int = 0,
+             column_tile: int = 1, column_fewest: int = 2, column_chunk_divisor: int = 4,
+             min_chunk: int = 0) -> "SplitParams":
+        """A backend's numbers (backends/*/: split_params); `min_chunk` (Config.split_min_chunk)
+        overrides the chunk size (tests use it to split small tensors)."""
         if min_chunk:
             chunk, numel = min_chunk, 2 * min_chunk
             gather_chunk, gather_numel = min(gather_chunk or chunk, chunk), min(gather_numel or numel, numel)
         # a column tile partial reads several elements per reduced element: shorter chunks
-        column_chunk = max(1, chunk // 4 if backend == "triton" else chunk // column_tile)
+        column_chunk = max(1, chunk // column_chunk_divisor)
         return SplitParams(target, chunk, numel, gather_chunk, gather_numel, column_tile, column_chunk, column_fewest)
+
+    @staticmethod
+    def on_cpu(num_threads: int, min_chunk: int = 0, column_tile: int = 1) -> "SplitParams":
+        """A CPU's numbers: 4 chunks per thread balance the load; OpenMP start-up wants >= ~64K
+        elements each.  `column_tile`: rows of column-like data one partial reduces together."""
+        return SplitParams.make(4 * max(1, num_threads), 1 << 16, 1 << 20, column_tile=column_tile,
+                                column_chunk_divisor=column_tile if column_tile > 1 else 4, min_chunk=min_chunk)
 
 
 def split_factor(rows: int, length: int, target: int, min_chunk: int) -> int:

@@ -535,9 +535,10 @@ def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None 
 
     options = dict(options or {})
     dynamic = bool(options.pop("dynamic", False))
-    if options.get("cpu_backend") == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the Triton backend runs CPU tensors under Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported (before the first torch.compile)")
+    missing = {k: v for k, v in _backend_environment(options).items() if os.environ.get(k) != v}
+    if missing:
+        raise RuntimeError(f"the {options.get('cpu_backend')} backend needs {missing} in the environment before "
+                           "it is imported (before the first torch.compile)")
     eager_in, tf_in = copy.deepcopy(list(inputs)), copy.deepcopy(list(inputs))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -619,14 +620,23 @@ def clean_error(error: str) -> str:
     return error.strip()
 
 
+def _backend_environment(options: dict) -> dict[str, str]:
+    """What the CPU backend these options pick needs set before it is imported."""
+    from .. import backends
+    from ..config import Config
+    config = Config.from_options({k: v for k, v in options.items() if k != "dynamic"})
+    return backends.for_device("cpu", config).environment
+
+
 def regression_source(prog: Program, error: str) -> str:
     error = clean_error(error)
     err = textwrap.indent("\n".join(textwrap.wrap(" ".join(error.split())[:600], 92)), "    ")
     inputs = "\n".join(f"    {s!r}," for s in prog.inputs)
-    triton = prog.options.get("cpu_backend") == "triton"
-    # Triton reads TRITON_INTERPRET once, when it is imported (torchfuse's import does not)
-    preamble = "import os\n\nimport pytest\n" if triton else ""
-    setup = '\nos.environ.setdefault("TRITON_INTERPRET", "1")\npytest.importorskip("triton")\n' if triton else ""
+    # (Triton reads TRITON_INTERPRET once, when it is imported; torchfuse's import does not)
+    env = _backend_environment(prog.options)
+    preamble = "import os\n\nimport pytest\n" if env else ""
+    setup = "".join(f'\nos.environ.setdefault("{k}", "{v}")' for k, v in env.items())
+    setup += f"\npytest.importorskip({prog.options['cpu_backend']!r})\n" if env else ""
     return REGRESSION_TEMPLATE.format(digest=prog.digest(), error=err.replace('"""', "'"), inputs=inputs,
                                       source=prog.source(), options=prog.options, preamble=preamble,
                                       triton_setup=setup)

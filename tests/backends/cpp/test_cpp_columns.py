@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from torchfuse.backends.cpp.codegen import COLUMN_TILE
-from torchfuse.scheduler.split import SplitParams
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
@@ -129,6 +128,7 @@ def test_one_tile_of_long_columns_splits_for_threads(tf):
 
 
 def test_cpu_split_params_count_column_tiles():
-    cpp = SplitParams.for_device("cpu", 2)
+    from torchfuse import backends
+    cpp = backends.by_name("cpp", "cpu").split_params(2)
     assert cpp.column_tile == COLUMN_TILE and cpp.column_chunk == cpp.min_chunk // COLUMN_TILE
-    assert SplitParams.for_device("cpu", 2, backend="triton").column_tile == 1   # the interpreter: untiled
+    assert backends.by_name("triton", "cpu").split_params(2).column_tile == 1   # the interpreter: untiled

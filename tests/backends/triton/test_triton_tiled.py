@@ -66,8 +66,8 @@ def test_common_cases_stay_flat(tf):
 
 def test_64bit_offsets_variant(tf, monkeypatch):
     # BIG=True (int64 program ids) is what > 2**31-element tensors use; force it on a small one
-    import torchfuse.pipeline as cg
-    monkeypatch.setattr(cg, "_needs_64bit_expr", lambda program, bufs, plan: "True")
+    import torchfuse.backends.triton as triton_backend
+    monkeypatch.setattr(triton_backend, "_needs_64bit_expr", lambda program, bufs, plan: "True")
     _check(tf, lambda x: x.t().contiguous() + 1, tf.rand((37, 53)), tiled=True)
 
 

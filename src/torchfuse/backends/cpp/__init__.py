@@ -1,1 +1,66 @@
-"""backends/cpp"""
+"""The C++/OpenMP backend: one translation unit per graph (codegen.py), built by g++ into a
+shared library and cached (build.py)."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable
+
+import torch
+
+from ...config import Config
+from ...scheduler.loops import LoopPlan
+from ...scheduler.split import SplitParams
+from ..base import Backend, Features, GeneratedCode, GraphCode, KernelCode, span
+from . import codegen
+
+
+class CppBackend(Backend):
+    name = "cpp"
+    title = "C++"
+    features = Features(
+        # g++ does not vectorize a pooling window's masked loads: 6-40x slower than ATen's oneDNN
+        # pooling on channels-last tensors, and a fused producer is recomputed per window element
+        pooling=False,
+        split_loops=True,
+        # the vector loop has no memory latency to hide a fused cat's per-part tests and loads
+        # behind: an LSTM's or GRU's stack of hidden states and DenseNet's feature cats ran faster
+        # through ATen's cat, which copies the stored parts in one pass, above 4 parts
+        max_fused_cat_parts=4,
+    )
+
+    def split_params(self, num_threads: int, min_chunk: int = 0) -> SplitParams:
+        # codegen.COLUMN_TILE: a batch norm's 64 channels are one tile, one thread unless the rows split
+        return SplitParams.on_cpu(num_threads, min_chunk, column_tile=codegen.COLUMN_TILE)
+
+    def kernel(self, plan: LoopPlan, graph: GraphCode) -> KernelCode:
+        if "int32" not in graph.scratch:
+            graph.scratch["int32"] = _int32_addressable(graph.program)
+        src, bufs, syms = codegen.kernel_source(plan, graph.dtypes, graph.config.parallel_threshold,
+                                                graph.scratch["int32"])
+        return KernelCode(src, bufs, syms)
+
+    def build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None]) -> dict[str, Any]:
+        from .build import load_library
+        kernels: dict[str, Any] = {}
+        if not code.sources:
+            return kernels
+        unit = codegen.translation_unit(code.sources)
+        debug("kernels.cpp", unit)
+        lib = load_library(unit, config)
+        lib.tf_set_num_threads(config.num_threads or torch.get_num_threads())
+        for name, (bufs, syms) in code.kernel_args.items():
+            fn = kernels[name] = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p] * len(bufs) + [ctypes.c_int64] * len(syms)
+            fn.restype = None
+        return kernels
+
+
+def _int32_addressable(program: Any) -> frozenset[str]:
+    """Buffers of static layout whose every element offset fits an int32 (C++ gathers from them
+    index with int32: see codegen.py's Emitter)."""
+    out = set()
+    for name, meta in program.buffer_meta.items():
+        s = span(meta)
+        if s.op == "const" and s.arg < 2 ** 31 - 2 ** 20:
+            out.add(name)
+    return frozenset(out)
