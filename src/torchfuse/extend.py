@@ -27,6 +27,7 @@ import torch
 __all__ = ["register_pass", "register_decomposition", "register_lowering"]
 
 _decompositions: dict[Any, Callable] = {}
+_listeners: list[Callable[[Any], None]] = []
 
 
 def register_pass(name: str, fn: Callable[[Any, Any], int]) -> None:
@@ -53,14 +54,17 @@ def register_decomposition(op: Any, fn: Callable) -> None:
     _forget(op)
 
 
+def on_registration(listener: Callable[[Any], None]) -> None:
+    """Call `listener(overload)` for every op overload a decomposition or lowering is registered
+    for from now on (the lazy mode drops what it decided about the op before: not fusible)."""
+    _listeners.append(listener)
+
+
 def _forget(op: Any) -> None:
-    """Drop what the lazy mode decided about `op` before (not fusible) and the graphs it compiled
-    with that decision."""
-    from .lazy import cache, mode
     for overload in ([getattr(op, n) for n in op.overloads()] if isinstance(op, torch._ops.OpOverloadPacket)
                      else [op]):
-        mode._INFO.pop(id(overload), None)
-    cache.clear()
+        for listener in _listeners:
+            listener(overload)
 
 
 def decompositions() -> dict[Any, Callable]:

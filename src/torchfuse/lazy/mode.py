@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import extend
 from . import trace
 from .graph import LazyNode, Unrecordable, flush, output_descs, ref_real, scan, storage_key, topo, view_root
 from .tensor import LazyTensor, materialized_wrapper, new_wrapper, sync_storage, unwrap
@@ -94,6 +95,17 @@ _NEVER_DEFER = {
 # Keyed by id(func): OpOverload.__hash__ is a Python method (~0.3 us); ops live forever (and
 # each OpInfo holds its op), so ids are never reused.
 _INFO: dict[int, OpInfo] = {}
+
+
+def _forget(op: Any) -> None:
+    """A decomposition or lowering was registered for `op`: decide about it again, and drop the
+    graphs compiled with the old decision."""
+    from . import cache
+    _INFO.pop(id(op), None)
+    cache.clear()
+
+
+extend.on_registration(_forget)
 
 
 def op_info(func: Any) -> OpInfo:
