@@ -74,7 +74,7 @@ def decompositions() -> dict[Any, Callable]:
 
 def register_lowering(op: Any, fn: Callable) -> None:
     """Lower `op` straight to loop IR: `fn(lw, *args, **kwargs)` returns a value the way the
-    built-in lowerings in torchfuse/ir/ do (e.g. `pointwise(lw, [x], lambda a: ...)`)."""
+    built-in lowerings in torchfuse/lowering/ do (e.g. `pointwise(lw, [x], lambda a: ...)`)."""
     if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         raise TypeError(f"torchfuse: register_lowering needs an OpOverload, not {op!r}")
     from .lowering.registry import register

@@ -1,7 +1,6 @@
 """Training graphs of CNNs on channels-last activations, decided on Dynamo's graph.
 
-oneDNN's convolutions, forward and backward, are 10-40% faster on channels-last activations
-(the zoo's DenseNet training step on 2 cores: forward 2.3 -> 1.4 ms, backward 4.3 -> 2.8 ms),
+oneDNN's convolutions, forward and backward, are 10-40% faster on channels-last activations,
 and users pass NCHW.  For inference graphs `passes/channels_last.py` re-lays the aten graph;
 a training graph cannot be changed that way after AOTAutograd, since the forward's saved
 activations and the backward's gradients would change layout across the two graphs.  So for

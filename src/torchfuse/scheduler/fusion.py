@@ -307,8 +307,7 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
         # sharing is reading the same element of a buffer the kernel writes or reads.  Reading
         # one contiguous along a common loop is not enough: Swin's patch-embedding layer-norm
         # input gradient, re-tiled into its weight gradient's column sums, read the input it
-        # shared at other elements, and its own operands and NCHW store with a stride of 96
-        # (0.86 ms per step on an H100; swin training 0.93 -> 0.98x Inductor without it).
+        # shared at other elements, and its own operands and NCHW store with a stride of 96.
         # A transposed read shares no cache line per step (an RMSNorm backward's row sums of
         # g*w*x and the weight gradient's column sums of g*x_hat, [tokens, hidden] with
         # tokens == hidden, read the same g and x across each other: one kernel gathered every

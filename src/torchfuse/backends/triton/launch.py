@@ -526,8 +526,8 @@ def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big:
     # whose tile then already holds 2048 // rblock >= 32 rows.
     # 64 columns (128 bytes of bf16 per row) and 8192 elements per step with 16 warps, from
     # probes/column_tile.py on the H100: 32 columns x 2048 elements with 8 warps kept too few
-    # bytes in flight for tall inputs (bf16 [32768, 768] 0.54x Inductor, now 0.92x; [8M, 8]
-    # 0.94 -> 2.2x); 8 warps at 8192 elements lost on wide inputs ([4096, 50257] 0.40x).
+    # bytes in flight for tall inputs (bf16 [32768, 768], [8M, 8]); 8 warps at 8192 elements
+    # lost on wide inputs ([4096, 50257]).
     if xfast and xsize >= 2 and (row_sym or rnumel > 64):
         per_sm = max(1, xsize // _sm_count())
         xblock = min(COLUMN_XBLOCK, _next_pow2(xsize), max(COLUMN_MIN_XBLOCK, 1 << (per_sm.bit_length() - 1)))
@@ -549,8 +549,8 @@ def _reduction_plan(persistent: Any, looped: Any, xnumel: int, rnumel: int, big:
     # Measured with mode="max-autotune" on an H100 (BENCHMARKS.md): tiles of ~2048 elements
     # (XBLOCK 1-2 for 1000-wide rows) with ~16 elements per thread win for rows <= 1024;
     # longer rows want one row per program and 8-16 warps; rows of 32768 want 32 warps (32
-    # elements per thread: fp32 cross entropy 0.85 -> 1.05x Inductor, bf16 softmax 1.07 ->
-    # 1.40x; at 16384 32 warps lost 20% on bf16 layer norm, so 16 stay there).
+    # elements per thread: fp32 cross entropy, bf16 softmax; at 16384 32 warps lost 20% on
+    # bf16 layer norm, so 16 stay there).
     xblock = max(1, min(_next_pow2(xsize), 2048 // rblock, 64))
     warps = min(32 if xblock * rblock >= 32768 else 16, max(1, xblock * rblock // 512))
     if _tuning(persistent):
