@@ -36,7 +36,7 @@ from . import progress
 from .runtime.subgraphs import compile_subgraphs
 from .scheduler.fusion import buffer_readers, schedule
 from .scheduler.loops import plan_loops
-from .scheduler.naming import name_kernels
+from .scheduler.naming import name_kernels, user_ops
 from .scheduler.split import split_reductions
 
 log = logging.getLogger("torchfuse")
@@ -216,7 +216,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         if config.split_reductions and backend.features.split_reductions:
             sched = split_reductions(sched, program, buffer_readers(sched, program),
                                      backends.split_params(device, config))
-        sched = name_kernels(sched)
+        sched = name_kernels(sched, user_ops(gm.graph))
     debug.write("fusion.txt", lambda: str(sched))
     counters.bump("fallback_ops", len(fallbacks))
     for node, op, reason in fallbacks:

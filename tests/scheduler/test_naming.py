@@ -23,8 +23,21 @@ def test_names_list_the_fused_ops_in_order():
     x, w = torch.randn(9, 7), torch.randn(7, 5)
     e = torchfuse.explain(pointwise_then_softmax, x, w)
     torch.testing.assert_close(e.output, pointwise_then_softmax(x, w))
-    assert [k.name for k in e.kernels] == ["poi_fused_mul_add_relu_0", "red_fused_amax_sum_sub_exp_div_1"]
+    assert [k.name for k in e.kernels] == ["poi_fused_mul_add_relu_0", "red_fused_softmax_1"]
     assert "graph" in str(e).splitlines()[0] and "kernel0" not in str(e)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_names_are_the_users_ops_before_decomposition(backend):
+    """A layer norm and a GELU decompose into var, sub, rsqrt, mul, erf, ...; the kernel is
+    named after the two ops the user wrote (it read red_fused_var_div_unsqueeze_sub_add_0)."""
+    def fn(x, w, b):
+        return torch.nn.functional.gelu(torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b)) * 2
+    x, w, b = torch.randn(6, 37), torch.randn(37), torch.randn(37)
+    e = torchfuse.explain(fn, x, w, b, options={"cpu_backend": backend})
+    torch.testing.assert_close(e.output, fn(x, w, b), rtol=1e-4, atol=1e-5)
+    assert [k.name for k in e.kernels] == ["red_fused_native_layer_norm_gelu_mul_0"], [k.name for k in e.kernels]
+    assert "red_fused_native_layer_norm_gelu_mul_0" in e.kernels[0].source
 
 
 def test_names_are_unique_and_the_same_on_every_compile():
