@@ -74,10 +74,11 @@ class TritonBackend(Backend):
     def build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None]) -> dict[str, Any]:
         kernels: dict[str, Any] = {}
         if code.sources:
+            from .module import module_source
             from .launch import (ensure_interpreter_if_cpu, launch_pointwise, launch_reduction, launch_tiled,
                                  load_module)
             ensure_interpreter_if_cpu("cpu" if config.cpu_backend == "triton" else "cuda")
-            module_src = codegen.module_source(code.sources, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
+            module_src = module_source(code.sources, interpreter=os.environ.get("TRITON_INTERPRET") == "1")
             debug("kernels_triton.py", module_src)
             module = load_module(module_src, config)
             for name in code.kernel_args:
