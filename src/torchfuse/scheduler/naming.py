@@ -44,7 +44,7 @@ def user_ops(graph: fx.Graph) -> dict[str, str]:
 def kernel_name(kernel: Kernel, index: int, ops_of: Mapping[str, str] | None = None) -> str:
     ops: list[str] = []
     for origin in kernel.origins:
-        op = ((ops_of or {}).get(origin) or op_of(origin))[:24]
+        op = ((ops_of or {}).get(origin) or op_of(origin))[:32]    # (native_batch_norm_backward: 26)
         if op not in ops:
             ops.append(op)
     kind = "red" if kernel.kind == "reduction" else "poi"
