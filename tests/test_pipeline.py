@@ -158,6 +158,30 @@ def test_unsupported_lowering_falls_back_to_eager(tmp_path, monkeypatch):
     assert_outputs(call([x]), (x.tanh() + 1,))
 
 
+def test_a_failed_compile_is_a_value_that_carries_its_reason(tmp_path, monkeypatch):
+    """try_compile_graph says nothing and counts nothing: it returns an EagerFallback (stage,
+    reason) that runs the graph as traced; compile_graph derives one warning and one count."""
+    from torchfuse.pipeline import EagerFallback, eager_fallback, try_compile_graph
+
+    def refuse(gm, config):
+        raise Unsupported("test refusal")
+
+    monkeypatch.setattr(compiled_graph, "lower_graph", refuse)
+    x = randn(5, 3).t()
+    gm = trace(lambda t: (t.exp() * 3,), x)
+    before = snapshot()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = try_compile_graph(gm, Config(cache_dir=tmp_path), inference=True)
+    assert isinstance(result, EagerFallback) and eager_fallback(result) is result
+    assert (result.stage, result.reason) == ("lowering", "test refusal") and "test refusal" in result.message
+    assert delta(before).get("eager_fallbacks", 0) == 0
+    assert_outputs(result([x]), (x.exp() * 3,))
+    with pytest.warns(UserWarning, match="runs eagerly: test refusal"):
+        compile_graph(gm, Config(cache_dir=tmp_path), inference=True)
+    assert delta(before)["eager_fallbacks"] == 1
+
+
 def test_graph_without_kernels_builds_nothing(tmp_path):
     a, b = randn(3, 4), randn(4, 5)
     gm = trace(lambda p, q: (p @ q,), a, b)

@@ -168,7 +168,7 @@ def source_lines(traces: dict[str, str | None], names: list[str]) -> list[str]:
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)     # (hashed by identity, as any compiled callable)
 class EagerFallback:
     """A graph torchfuse could not compile, run as ATen ran it, with the reason: what
     `try_compile_graph` returns instead of a compiled graph.  Boxed like a compiled graph."""
