@@ -103,7 +103,7 @@ def test_a_worker_binary_is_the_one_real_dtypes_ask_for(setup, tmp_path):
     script = f"""
 import importlib.util, torch, triton
 from triton.backends.compiler import GPUTarget
-from torchfuse.runtime import compile_workers
+from torchfuse.backends.triton import compile_workers
 compile_workers._use_target(GPUTarget("cuda", 90, 32))
 triton.knobs.cache.dir = {str(cache)!r}
 spec = importlib.util.spec_from_file_location("tf_test_kernels", {str(tmp_path / "tf_test_kernels.py")!r})
@@ -133,7 +133,7 @@ def test_a_worker_keys_its_binary_as_the_parent_does_after_triton_settings_chang
 import importlib.util, os, torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas_version
-from torchfuse.runtime import compile_workers
+from torchfuse.backends.triton import compile_workers
 target = GPUTarget("cuda", 90, 32)
 compile_workers._use_target(target)
 triton.knobs.cache.dir = {str(cache)!r}
