@@ -4,6 +4,13 @@ Every distinct sub-expression becomes one temporary in the innermost scope where
 needed; a loop body opens a scope, so temporaries never leak out of the loop that made them.
 A buffer that a kernel computes itself is read from its local variable (`bind_local`), so a
 fused intermediate that is never stored is never loaded either.  Backends supply the syntax.
+
+Constants come in two kinds, because index arithmetic and int64 values share one dtype (INDEX
+is int64): a constant in index arithmetic (`index()`: offsets, sizes) is an `index_literal`,
+which a backend may print as a bare number; a constant reached through `value()` is a value
+of its own dtype wherever it goes (a store, a cast, a select, a comparison, a min/max, a
+reduction), so `literal` must print a typed value.  A bare int64 there was a Python int in
+Triton, which has no `.to()` (`0.to(tl.int64)` does not parse) and no shape.
 """
 from __future__ import annotations
 
@@ -26,7 +33,12 @@ class ExprEmitter:
 
     # -- backend syntax ---------------------------------------------------------------------------
     def literal(self, value, dtype: torch.dtype) -> str:
+        """`value` as a typed value of `dtype` (never a bare number a backend could mistype)."""
         raise NotImplementedError
+
+    def index_literal(self, value: int) -> str:
+        """An integer constant of index arithmetic."""
+        return self.literal(value, INDEX)
 
     def declare(self, name: str, expr: str, dtype: torch.dtype | None) -> str:
         raise NotImplementedError
@@ -69,7 +81,7 @@ class ExprEmitter:
     def index(self, n: Node) -> str:
         """Index arithmetic is printed inline (the backend compiler does strength reduction)."""
         if n.op == "const":
-            return self.literal(n.arg, INDEX)
+            return self.index_literal(n.arg)
         if n.op in ("var", "sym"):
             return n.arg
         if n.op == "add":

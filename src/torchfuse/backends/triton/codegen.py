@@ -64,19 +64,20 @@ def _interpreting() -> bool:
 
 
 def literal(value, dtype: torch.dtype) -> str:
+    """`value` as a 0-d tensor of `dtype`'s compute type: it has `.to()`, broadcasts against
+    any block and gives a select, a min/max or a comparison its dtype.  Python ints beyond
+    int32 are fine (`tl.full` converts to the given dtype)."""
     if dtype == torch.bool:
-        return f"tl.full([1], {1 if value else 0}, tl.int1)"
+        return f"tl.full([], {1 if value else 0}, tl.int1)"
     if dtype.is_floating_point:
         if math.isnan(value):
-            v = "float('nan')"
-        elif math.isinf(value):
+            return NAN_EXPR
+        if math.isinf(value):
             v = "1e999" if value > 0 else "-1e999"
         else:
             v = repr(float(value))
-        if math.isnan(value):
-            return NAN_EXPR
-        return f"tl.full([1], {v}, {TL[dtype]})"
-    return f"tl.full([1], {int(value)}, {TL[dtype]})"
+        return f"tl.full([], {v}, {TL[dtype]})"
+    return f"tl.full([], {int(value)}, {TL[dtype]})"
 
 
 def _only_constants(n: Node) -> bool:
@@ -101,7 +102,18 @@ class TritonEmitter(ExprEmitter):
         self.evict: dict[str, str] | None = None
 
     def literal(self, value, dtype: torch.dtype) -> str:
-        return str(int(value)) if dtype == INDEX else literal(value, dtype)
+        return literal(value, dtype)
+
+    def index_literal(self, value: int) -> str:
+        return str(int(value))
+
+    def operand(self, n: Node, beside: Sequence[Node]) -> str:
+        """An operand of an infix op.  An int64 constant next to an operand that is not constant
+        is printed bare: Triton's weak typing gives it that operand's type, so arithmetic on the
+        int32 loop variables stays int32.  Any other constant is a typed value."""
+        if n.op == "const" and n.dtype == INDEX and any(b.op != "const" for b in beside):
+            return self.index_literal(n.arg)
+        return self.value(n)
 
     def declare(self, name: str, expr: str, dtype: torch.dtype | None) -> str:
         return f"{name} = {expr}"
@@ -111,12 +123,10 @@ class TritonEmitter(ExprEmitter):
 
     def _expr(self, n: Node) -> str:
         expr = self._expr_of(n)
-        if ((n.op in _INFIX or n.op in ("neg", "floordiv", "mod")) and n.dtype in TL
-                and all(x.op == "const" and x.dtype == INDEX for x in n.args)):
-            # a temporary computed from literals alone (0 + 2: an int64 literal is printed bare)
-            # is a Python number in Triton: give it a dtype and a shape, as its users (.to(), a
-            # store) expect of every temporary
-            return f"tl.full([1], {expr}, {TL[n.dtype]})"
+        if n.op in ("floordiv", "mod") and n.dtype == INDEX and _only_constants(n):
+            # printed as index arithmetic (bare numbers), which a size substitution can make
+            # constant: a Python int in Triton, where every temporary must be a typed value
+            return f"tl.full([], {expr}, tl.int64)"
         return expr
 
     def _expr_of(self, n: Node) -> str:
@@ -144,7 +154,7 @@ class TritonEmitter(ExprEmitter):
                 # an integer that a size substitution made constant (the element count of a
                 # batch-norm's statistics) or that folds from constants (0 + 2): Triton keeps it
                 # a Python int, which has no .to(), and `128.to(tl.float64)` does not even parse
-                x = f"tl.full([1], {x}, tl.int64)"
+                x = f"tl.full([], {x}, tl.int64)"
             if dt == torch.bool:
                 return f"({x} != 0)"
             if dt in (torch.float16, torch.bfloat16):
@@ -155,12 +165,11 @@ class TritonEmitter(ExprEmitter):
         if o == "where":
             return f"tl.where({self.value(a[0])}, {self.value(a[1])}, {self.value(a[2])})"
         if o in ("add", "mul") and len(a) > 2:
-            return "(" + f" {_INFIX[o]} ".join(self.value(x) for x in a) + ")"
+            return "(" + f" {_INFIX[o]} ".join(self.operand(x, a) for x in a) + ")"
         if o in _INFIX and len(a) == 2:
-            x, y = self.value(a[0]), self.value(a[1])
             if o == "truediv" and not dt.is_floating_point:
-                return f"({x}.to(tl.float32) / {y}.to(tl.float32))"
-            return f"({x} {_INFIX[o]} {y})"
+                return f"({self.value(a[0])}.to(tl.float32) / {self.value(a[1])}.to(tl.float32))"
+            return f"({self.operand(a[0], a[1:])} {_INFIX[o]} {self.operand(a[1], a[:1])})"
         if o == "neg":
             return f"(-{self.value(a[0])})"
         if o == "not":
@@ -254,6 +263,11 @@ def _init(op: str, dtype: torch.dtype) -> str:
     if op in ("min", "argmin"):
         return "1e999" if dtype.is_floating_point else str(torch.iinfo(dtype).max if dtype != torch.bool else 1)
     return _RED[op][1]
+
+
+def _init_value(op: str, dtype: torch.dtype) -> str:
+    """The reduction's identity as a typed value (what masked-off lanes contribute)."""
+    return f"tl.full([], {_init(op, dtype)}, {TL[dtype]})"
 
 
 def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, list[str], list[str]]:
@@ -676,7 +690,7 @@ def _open_accumulators(em: TritonEmitter, members) -> list:
 
 def _accumulate(em: TritonEmitter, m, v: str, acc: str) -> None:
     op, dt = m.buffer.reduction_op, m.body.dtype
-    v = f"tl.where(xmask & rmask, {v}, {_init(op, dt)})"
+    v = f"tl.where(xmask & rmask, {v}, {_init_value(op, dt)})"
     if op == "sum":
         em.line(f"{acc} = {acc} + {v}")
     elif op == "prod":
@@ -715,7 +729,7 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
     if result is not None:          # computed by the caller (online softmax)
         result = em.tmp(result)
     elif acc is None:
-        acc = em.tmp(f"tl.where(xmask & rmask, {v}, {_init(op, dt)})")
+        acc = em.tmp(f"tl.where(xmask & rmask, {v}, {_init_value(op, dt)})")
         idx = "rindex"
     else:
         idx = f"{acc}_i"
@@ -724,7 +738,7 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
         # eager's argmax and argmin alike (also an infinity, and also for argmin)
         best_fn = "tl.max" if op == "argmax" else "tl.min"
         idx_full = em.tmp(f"tl.broadcast_to({idx}, [XBLOCK, RBLOCK])" if idx == "rindex" else idx)
-        key = em.tmp(f"tl.where({acc} != {acc}, {_init(op, dt)}, {acc})" if dt.is_floating_point else acc)
+        key = em.tmp(f"tl.where({acc} != {acc}, {_init_value(op, dt)}, {acc})" if dt.is_floating_point else acc)
         best = em.tmp(f"{best_fn}({key}, 1)[:, None]")
         result = em.tmp(f"tl.min(tl.where({key} == {best}, {idx_full}, 2147483647), 1)[:, None]")
         if dt.is_floating_point:
