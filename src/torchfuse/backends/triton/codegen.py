@@ -64,11 +64,12 @@ def _interpreting() -> bool:
 
 
 def literal(value, dtype: torch.dtype) -> str:
-    """`value` as a 0-d tensor of `dtype`'s compute type: it has `.to()`, broadcasts against
-    any block and gives a select, a min/max or a comparison its dtype.  Python ints beyond
-    int32 are fine (`tl.full` converts to the given dtype)."""
+    """`value` as a one-element tensor of `dtype`'s compute type: it has `.to()`, broadcasts
+    against any block and gives a select, a min/max or a comparison its dtype.  Python ints
+    beyond int32 are fine (`tl.full` converts to the given dtype).  Not a 0-d tensor
+    (`tl.full([], ...)`): Triton's interpreter fails `|` of a 0-d comparison with a block."""
     if dtype == torch.bool:
-        return f"tl.full([], {1 if value else 0}, tl.int1)"
+        return f"tl.full([1], {1 if value else 0}, tl.int1)"
     if dtype.is_floating_point:
         if math.isnan(value):
             return NAN_EXPR
@@ -76,8 +77,8 @@ def literal(value, dtype: torch.dtype) -> str:
             v = "1e999" if value > 0 else "-1e999"
         else:
             v = repr(float(value))
-        return f"tl.full([], {v}, {TL[dtype]})"
-    return f"tl.full([], {int(value)}, {TL[dtype]})"
+        return f"tl.full([1], {v}, {TL[dtype]})"
+    return f"tl.full([1], {int(value)}, {TL[dtype]})"
 
 
 def _only_constants(n: Node) -> bool:
@@ -126,7 +127,7 @@ class TritonEmitter(ExprEmitter):
         if n.op in ("floordiv", "mod") and n.dtype == INDEX and _only_constants(n):
             # printed as index arithmetic (bare numbers), which a size substitution can make
             # constant: a Python int in Triton, where every temporary must be a typed value
-            return f"tl.full([], {expr}, tl.int64)"
+            return f"tl.full([1], {expr}, tl.int64)"
         return expr
 
     def _expr_of(self, n: Node) -> str:
@@ -150,15 +151,20 @@ class TritonEmitter(ExprEmitter):
         if o == "cast":
             inline = a[0].dtype == INDEX and a[0].op in ("add", "mul", "floordiv", "mod")
             x = self.index(a[0]) if inline else self.value(a[0])
-            if a[0].dtype == INDEX and (inline or a[0].op == "const") and _only_constants(a[0]):
-                # an integer that a size substitution made constant (the element count of a
-                # batch-norm's statistics) or that folds from constants (0 + 2): Triton keeps it
-                # a Python int, which has no .to(), and `128.to(tl.float64)` does not even parse
-                x = f"tl.full([], {x}, tl.int64)"
+            if inline and _only_constants(a[0]):
+                # index arithmetic (bare numbers) that a size substitution made constant (the
+                # element count of a batch-norm's statistics) or that folds from constants
+                # (0 + 2): Triton keeps it a Python int, which has no .to(), and
+                # `128.to(tl.float64)` does not even parse (a constant alone is a typed value)
+                x = f"tl.full([1], {x}, tl.int64)"
             if dt == torch.bool:
                 return f"({x} != 0)"
             if dt in (torch.float16, torch.bfloat16):
-                return f"{x}.to({STORE_TL[dt]}).to(tl.float32)"
+                # through fp32, as ATen converts (c10::Half and c10::BFloat16 are made from a
+                # float; an int64 or fp64 rounded once to 8 bits can differ), and as Triton's
+                # interpreter can (from int, bool or fp64 it made NaN or zeros)
+                src = x if TL.get(a[0].dtype) == "tl.float32" else f"{x}.to(tl.float32)"
+                return f"{src}.to({STORE_TL[dt]}).to(tl.float32)"
             return f"{x}.to({TL[dt]})"
         if o in ("floordiv", "mod") and dt == INDEX:
             return self.index(n)
@@ -267,7 +273,7 @@ def _init(op: str, dtype: torch.dtype) -> str:
 
 def _init_value(op: str, dtype: torch.dtype) -> str:
     """The reduction's identity as a typed value (what masked-off lanes contribute)."""
-    return f"tl.full([], {_init(op, dtype)}, {TL[dtype]})"
+    return f"tl.full([1], {_init(op, dtype)}, {TL[dtype]})"
 
 
 def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, list[str], list[str]]:
