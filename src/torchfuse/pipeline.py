@@ -239,6 +239,10 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     try:
         for plan in plans:
             kernel = plan.kernel
+            foreign = foreign_reads(program, plan, device)
+            if foreign:
+                raise NotImplementedError(f"{kernel.name} would read {', '.join(foreign)}, which a kernel on "
+                                          f"{device} cannot access (passes/host_scalars.py copies such tensors)")
             code = backend.kernel(plan, graph)
             src, bufs = code.source, code.buffers
             kernel_args[kernel.name] = (bufs, code.symbols)
@@ -358,6 +362,21 @@ def program_device(program: LoweredGraph) -> str:
         if meta[3] is not None:
             return torch.device(meta[3]).type
     return "cpu"
+
+
+def foreign_reads(program, plan: Any, device: str) -> list[str]:
+    """The buffers a kernel of a graph on `device` would read from another device ("in0 (cpu)"):
+    a pointer a GPU kernel cannot follow (Triton fails at launch, or reads garbage)."""
+    from .ir.nodes import walk
+    out: list[str] = []
+    for m in plan.members:
+        for n in walk(m.body):
+            meta = program.buffer_meta.get(n.arg) if n.op == "load" else None
+            if meta is not None and meta[3] is not None and torch.device(meta[3]).type != device:
+                text = f"{n.arg} ({torch.device(meta[3]).type})"
+                if text not in out:
+                    out.append(text)
+    return out
 
 
 def _fp32_matmul_tf32() -> bool:

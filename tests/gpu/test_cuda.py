@@ -129,6 +129,55 @@ def test_float_attribute_under_dynamic_reaches_kernels_on_the_device():
         _close(f(x), m(x), torch.float32)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_host_tensors_mixed_with_cuda_tensors(dynamic):
+    """0-d CPU tensors (a scale, an index), a CPU index tensor, a constant the graph makes and a
+    host op's result, next to CUDA tensors: every kernel reads device memory (they used to get
+    the CPU pointer: "Pointer argument cannot be accessed from Triton (cpu tensor?)")."""
+    def fn(x, y, scale, index, rows):
+        return (x * scale + y[index], y[rows] * torch.tensor(0.5) + torch.full((), 2.0),
+                (x > 0).to(torch.int64) + torch.zeros((), dtype=torch.int64))
+    x, y = torch.randn(6, 33, device="cuda"), torch.randn(9, 33, device="cuda")
+    scale, index, rows = torch.tensor(1.75), torch.tensor(4), torch.tensor([0, 8, 3, 3, 1, 7])
+    before = torchfuse.counters["eager_fallbacks"]
+    f = torchfuse.compile(fn, dynamic=dynamic, options={"strict": True})
+    for got, ref in zip(f(x, y, scale, index, rows), fn(x, y, scale, index, rows)):
+        assert got.device == ref.device
+        _close(got, ref, got.dtype)
+    assert torchfuse.counters["eager_fallbacks"] == before
+
+
+def test_grid_sample_correlation_lookup_like_raft():
+    """RAFT's correlation lookup (torchvision's raft_small crashed on its first call with a CPU
+    tensor reaching a Triton kernel): a correlation pyramid sampled with grid_sample at absolute
+    pixel coordinates plus a neighbourhood built on the host and moved to the GPU."""
+    def lookup(fmap1, fmap2, coords, radius: int = 2):
+        b, c, h, w = fmap1.shape
+        corr = (fmap1.flatten(2).transpose(1, 2) @ fmap2.flatten(2)) / torch.sqrt(torch.tensor(float(c)))
+        corr = corr.reshape(b * h * w, 1, h, w)
+        side = 2 * radius + 1
+        d = torch.linspace(-radius, radius, side)                       # on the host, as in RAFT
+        delta = torch.stack(torch.meshgrid(d, d, indexing="ij"), dim=-1).to(coords.device)
+        centroids = coords.permute(0, 2, 3, 1).reshape(b * h * w, 1, 1, 2)
+        out = []
+        for level in range(2):
+            grid = centroids / 2 ** level + delta.view(1, side, side, 2)
+            lh, lw = corr.shape[-2:]
+            xg, yg = grid.split([1, 1], dim=-1)
+            grid = torch.cat([2 * xg / (lw - 1) - 1, 2 * yg / (lh - 1) - 1], dim=-1)
+            out.append(F.grid_sample(corr, grid, align_corners=True).view(b, h, w, -1))
+            corr = F.avg_pool2d(corr, 2, stride=2)
+        return torch.cat(out, dim=-1).permute(0, 3, 1, 2).contiguous()
+
+    fmap1, fmap2 = torch.randn(2, 16, 8, 12, device="cuda"), torch.randn(2, 16, 8, 12, device="cuda")
+    ys, xs = torch.meshgrid(torch.arange(8.0), torch.arange(12.0), indexing="ij")
+    coords = (torch.stack([xs, ys]).expand(2, 2, 8, 12) + torch.randn(2, 2, 8, 12)).cuda()
+    before = torchfuse.counters["eager_fallbacks"]
+    f = torchfuse.compile(lookup, options={"strict": True})
+    _close(f(fmap1, fmap2, coords), lookup(fmap1, fmap2, coords), torch.float32)
+    assert torchfuse.counters["eager_fallbacks"] == before
+
+
 def test_new_batch_size_no_rebuild_cuda():
     f = torch.compile(lambda x: torch.softmax(x * 2, -1) + 1, backend="torchfuse")
     for b in (3, 5):
