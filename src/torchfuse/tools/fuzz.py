@@ -15,6 +15,14 @@ Index remapping that is not a view (roll, pad, tril/triu, index_select, gather, 
 drawn too, and half of the programs are compiled with `parallel_threshold=1`, so that every
 loop runs through its OpenMP path although the tensors are small.
 
+What real models bring (the "real models" section; `--real-models` draws mostly these):
+Python and 0-d tensor scalars as inputs (Dynamo passes an unspecialized one as a 0-d CPU
+tensor; with `--device cuda` the other inputs go to the GPU and 0-d ones stay on the host),
+int64 and bool values and literals in every position (stored, cast, compared, selected,
+clamped, filled, reduced; Python ints beyond int32), gathers by computed index tensors,
+`grid_sample` and `interpolate`, and data-dependent ops (topk, sort, nonzero) next to fused
+ones.
+
 A program is compared on its outputs and on its inputs after the call (in-place mutations);
 floats within the tolerance of the least precise float dtype it computes in.  A program that
 Dynamo/AOTAutograd reject without torchfuse too (backend="aot_eager") is discarded.  When one
@@ -36,6 +44,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from .fuzz_real import PY_SCALARS, REAL_MODEL_KINDS, RealModelSteps, make_scalar
 
 INTS = ("int32", "int64")
 DTYPES = ("float32", "float32", "float64", "float16", "bfloat16", "int32", "int64", "bool")
@@ -62,6 +72,8 @@ class InputSpec:
 def make_input(spec: InputSpec) -> torch.Tensor:
     """A deterministic tensor of `spec.shape` whose strides follow `spec.layout`."""
     gen = torch.Generator().manual_seed(1000 + spec.seed)
+    if spec.dtype in PY_SCALARS:
+        return make_scalar(spec, gen)
     shape, dtype, nd = tuple(spec.shape), getattr(torch, spec.dtype), len(spec.shape)
 
     def data(s: Sequence[int]) -> torch.Tensor:
@@ -87,8 +99,13 @@ def make_input(spec: InputSpec) -> torch.Tensor:
     return data(shape)
 
 
-def make_inputs(specs: Sequence[InputSpec]) -> list[torch.Tensor]:
-    return [make_input(s) for s in specs]
+def make_inputs(specs: Sequence[InputSpec], device: str | None = None) -> list[Any]:
+    """The inputs; with `device`, tensors of rank >= 1 live there and 0-d tensors stay on the
+    host (as Dynamo passes an unspecialized Python number next to a model's GPU tensors)."""
+    inputs = [make_input(s) for s in specs]
+    if device is not None:
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) and x.ndim else x for x in inputs]
+    return inputs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,11 +138,12 @@ class Program:
             (f"# options: {self.options}\n" if self.options else "")
 
 
-class _Builder:
+class _Builder(RealModelSteps):
     """Draws a program op by op, running each op eagerly on the real inputs to keep it valid."""
 
-    def __init__(self, draw: Callable, st: Any):
+    def __init__(self, draw: Callable, st: Any, real_models: bool = False):
         self.draw, self.st = draw, st
+        self.real_models = real_models     # draw mostly what real models bring (fuzz_real.py)
         self.prog = Program()
         self.env: dict[str, Any] = {"torch": torch}
         self.vars: list[str] = []
@@ -201,7 +219,10 @@ class _Builder:
     def step(self) -> None:
         st, draw = self.st, self.draw
         kind = draw(st.sampled_from(("unary", "binary", "scalar", "view", "reduce", "cast", "inplace",
-                                     "binary", "unary", "view", "where", "cat", "reduce", "misc", "view")))
+                                     "binary", "unary", "view", "where", "cat", "reduce", "misc", "view")
+                                    + REAL_MODEL_KINDS * (3 if self.real_models else 1)))
+        if kind in REAL_MODEL_KINDS:
+            return self.real_model_step(kind)
         x = self.pick()
         if x is None:
             return
@@ -439,13 +460,14 @@ def _refactor(shape: list[int], draw: Callable, st: Any) -> list[int]:
     return shape[:d] + [k, n // k] + shape[d + 1:]
 
 
-def programs(max_ops: int = 6):
-    """The hypothesis strategy of `Program`s."""
+def programs(max_ops: int = 6, real_models: bool = False):
+    """The hypothesis strategy of `Program`s; `real_models` draws mostly what real models
+    bring (scalar inputs, typed literals, index tensors, sampling, data-dependent ops)."""
     from hypothesis import strategies as st
 
     @st.composite
     def strategy(draw):
-        b = _Builder(draw, st)
+        b = _Builder(draw, st, real_models)
         n_inputs = draw(st.integers(1, 2))
         base = b.shape()
         for _ in range(n_inputs):
@@ -453,6 +475,8 @@ def programs(max_ops: int = 6):
             if draw(st.booleans()):
                 shape = [1 if draw(st.booleans()) else s for s in shape]
             b.new_input(shape)
+        if draw(st.integers(0, 2 if real_models else 5)) == 0:
+            b.new_scalar_input()
         for _ in range(draw(st.integers(1, max_ops))):
             b.step()
         prog = b.finish()
@@ -489,7 +513,7 @@ def _eager_with_dtypes(fn: Callable, inputs: Sequence[torch.Tensor]) -> tuple[An
     output computed through float32 intermediates is only as accurate as float32."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    seen: set[torch.dtype] = {t.dtype for t in inputs}
+    seen: set[torch.dtype] = {t.dtype for t in inputs if isinstance(t, torch.Tensor)}
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -517,6 +541,8 @@ def compare(got: Any, expected: Any, what: str, tol: tuple[float, float] | None 
             raise Mismatch(f"{label}: shape {tuple(a.shape)} != eager {tuple(b.shape)}")
         if a.dtype != b.dtype:
             raise Mismatch(f"{label}: dtype {a.dtype} != eager {b.dtype}")
+        if a.device != b.device:
+            raise Mismatch(f"{label}: device {a.device} != eager {b.device}")
         atol, rtol = tol if tol is not None and b.dtype.is_floating_point else TOL.get(b.dtype, (0, 0))
         try:
             torch.testing.assert_close(a, b, atol=atol, rtol=rtol, equal_nan=True, check_stride=False)
@@ -535,6 +561,9 @@ def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None 
 
     options = dict(options or {})
     dynamic = bool(options.pop("dynamic", False))
+    device = options.pop("device", None)
+    if device is not None:
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) and x.ndim else x for x in inputs]
     missing = {k: v for k, v in _backend_environment(options).items() if os.environ.get(k) != v}
     if missing:
         raise RuntimeError(f"the {options.get('cpu_backend')} backend needs {missing} in the environment before "
@@ -564,7 +593,8 @@ def check(fn: Callable, inputs: Sequence[torch.Tensor], *, options: dict | None 
     tol = _loosest(sorted(dtypes, key=str))
     try:
         compare(got, expected, "output", tol)
-        compare(tf_in, eager_in, "input (after the call)", tol)
+        compare([x for x in tf_in if isinstance(x, torch.Tensor)],
+                [x for x in eager_in if isinstance(x, torch.Tensor)], "input (after the call)", tol)
     except Mismatch as e:
         if _outputs_share_storage(expected):
             e.add_note(ALIASED_OUTPUTS)
@@ -583,6 +613,7 @@ def _outputs_share_storage(outputs: Any) -> bool:
 
 def check_program(prog: Program, options: dict | None = None) -> None:
     check(prog.function(), make_inputs(prog.inputs), options={**prog.options, **(options or {})})
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,7 +700,7 @@ KNOWN_BUGS: list[tuple[str, str]] = []
 
 def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, out_dir: Path | str | None =
              DEFAULT_REGRESSION_DIR, options: dict | None = None, verbose: bool = False,
-             ignore_known: bool = True) -> FuzzResult:
+             ignore_known: bool = True, real_models: bool = False) -> FuzzResult:
     """Check `max_examples` random programs; on a failure, shrink it and (if `out_dir`) write the
     minimal program as a regression test.  `seed=None` draws fresh programs every run."""
     from hypothesis import HealthCheck, Phase, given, reject, settings
@@ -682,7 +713,7 @@ def run_fuzz(max_examples: int = 40, *, seed: int | None = 0, max_ops: int = 6, 
               report_multiple_bugs=False, print_blob=False,
               suppress_health_check=list(HealthCheck),
               phases=(Phase.generate, Phase.shrink))
-    @given(programs(max_ops))
+    @given(programs(max_ops, real_models))
     def test(prog: Program) -> None:
         state.examples += 1
         if verbose:
@@ -725,12 +756,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report-known", action="store_true", help="fail on the bugs of KNOWN_BUGS too")
     p.add_argument("--dynamic", action="store_true", help="compile with symbolic sizes (dynamic=True)")
     p.add_argument("--triton", action="store_true", help="the Triton backend, under Triton's interpreter")
+    p.add_argument("--real-models", action="store_true", help="draw mostly what real models bring (fuzz_real.py)")
+    p.add_argument("--device", default=None, help="run on this device (e.g. cuda); 0-d inputs stay on the host")
     a = p.parse_args(argv)
     if a.triton:
         os.environ.setdefault("TRITON_INTERPRET", "1")      # before anything imports triton
-    options = {**({"dynamic": True} if a.dynamic else {}), **({"cpu_backend": "triton"} if a.triton else {})}
+    options = {**({"dynamic": True} if a.dynamic else {}), **({"cpu_backend": "triton"} if a.triton else {}),
+               **({"device": a.device} if a.device else {})}
     r = run_fuzz(a.examples, seed=a.seed, max_ops=a.max_ops, out_dir=None if a.no_write else a.out_dir,
-                 options=options or None, verbose=a.verbose, ignore_known=not a.report_known)
+                 options=options or None, verbose=a.verbose, ignore_known=not a.report_known,
+                 real_models=a.real_models)
     known = f" ({r.known} hit a known bug of KNOWN_BUGS)" if r.known else ""
     if r.failure is None:
         print(f"{r.examples} programs: no failure{known}")
