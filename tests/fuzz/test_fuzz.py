@@ -32,6 +32,58 @@ def test_fuzz_programs_with_symbolic_sizes():
                                f"{r.regression}):\n{r.failure}\n{r.error[:3000]}")
 
 
+def test_fuzz_real_model_programs():
+    """Programs drawn mostly from what real models bring (tools/fuzz_real.py): scalar inputs,
+    typed literals in every position, computed indices, grid_sample/interpolate, topk/sort."""
+    examples = int(os.environ.get("TORCHFUSE_FUZZ_EXAMPLES", "40")) // 2
+    r = fuzz.run_fuzz(examples, seed=2, max_ops=6, real_models=True)
+    assert r.failure is None, (f"torchfuse disagrees with eager on this program (regression test written to "
+                               f"{r.regression}):\n{r.failure}\n{r.error[:3000]}")
+
+
+def test_fuzz_real_model_programs_with_symbolic_sizes():
+    """The same with dynamic=True: Python ints become size symbols, Python floats 0-d CPU tensors."""
+    examples = int(os.environ.get("TORCHFUSE_FUZZ_EXAMPLES", "40")) // 4
+    r = fuzz.run_fuzz(examples, seed=3, max_ops=6, real_models=True, options={"dynamic": True})
+    assert r.failure is None, (f"torchfuse disagrees with eager on this program (regression test written to "
+                               f"{r.regression}):\n{r.failure}\n{r.error[:3000]}")
+
+
+def test_fuzz_real_model_programs_on_the_triton_backend():
+    """A few under Triton's interpreter: its literals and casts are typed differently from C++'s."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before triton is imported)")
+    examples = int(os.environ.get("TORCHFUSE_FUZZ_EXAMPLES", "40")) // 8
+    r = fuzz.run_fuzz(examples, seed=4, max_ops=5, real_models=True, options={"cpu_backend": "triton"})
+    assert r.failure is None, (f"torchfuse disagrees with eager on this program (regression test written to "
+                               f"{r.regression}):\n{r.failure}\n{r.error[:3000]}")
+
+
+def test_scalar_inputs_and_devices():
+    """Python-number inputs are deterministic and replay from a regression file; with a device,
+    0-d tensors stay on the host; a result on the wrong device is a mismatch."""
+    specs = [fuzz.InputSpec((), "pyfloat", seed=1), fuzz.InputSpec((), "pyint", seed=2),
+             fuzz.InputSpec((), "float64", seed=3), fuzz.InputSpec((2, 3), "float32", seed=4)]
+    a, b = fuzz.make_inputs(specs), fuzz.make_inputs(specs)
+    assert isinstance(a[0], float) and isinstance(a[1], int) and a[0] != 0 and a[1] != 0
+    assert a[:2] == b[:2] and torch.equal(a[3], b[3])
+    moved = fuzz.make_inputs(specs, device="meta")
+    assert moved[2].device.type == "cpu" and moved[3].device.type == "meta"
+    with pytest.raises(fuzz.Mismatch, match="device"):
+        fuzz.compare([torch.zeros(2, device="meta")], [torch.zeros(2)], "output")
+
+
+def test_real_model_regression_file_roundtrip(tmp_path):
+    prog = fuzz.Program([fuzz.InputSpec((3, 4), "float32"), fuzz.InputSpec((), "pyfloat", seed=1)],
+                        ["v0 = torch.where(a0 > a1, torch.zeros_like(a0, dtype=torch.int64), 2 ** 40)",
+                         "v1 = a0.index_select(1, a0.flatten().argsort()[:3] % 4)"], ["v0", "v1"])
+    path = fuzz.write_regression(prog, "Mismatch: example", tmp_path)
+    env: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), env)
+    env[f"test_case_{prog.digest()}"]()
+
+
 def test_triton_regression_files_run_under_the_interpreter(tmp_path):
     """A program found with the Triton backend replays as a test that turns Triton's interpreter
     on before triton is imported, and says so instead of failing when it cannot."""

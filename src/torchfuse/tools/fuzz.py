@@ -383,8 +383,8 @@ class _Builder(RealModelSteps):
     def finish(self) -> Program:
         st, draw = self.st, self.draw
         made = [v for v in self.vars if v.startswith("v")]
-        if not made:
-            made = [self.vars[-1]]
+        if not made:      # the last tensor input (a Python-number input is no output)
+            made = [v for v in self.vars if isinstance(self.env[v], torch.Tensor)][-1:]
         outs = [made[-1]]
         # every value nothing else reads is an output too (else dead code would be removed)
         import re

@@ -25,9 +25,9 @@ import torch
 REAL_MODEL_KINDS = ("literal", "index", "sample", "routing", "scalar_input")
 PY_SCALARS = ("pyfloat", "pyint")     # InputSpec dtypes of Python numbers (not tensors)
 
-INT_LITERALS = ("0", "-1", "3", "2 ** 40", "-2 ** 33", "2 ** 31")
+INT_LITERALS = ("0", "0", "-1", "3", "2 ** 40", "-2 ** 33", "2 ** 31")   # 0: the MoE decoder's store
 FLOAT_LITERALS = ("0.0", "-1.5", "float('-inf')", "1e-3")
-LITERAL_DTYPES = ("int64", "int64", "int32", "bool", "float16", "bfloat16", "float32", "float64")
+LITERAL_DTYPES = ("int64", "int64", "int64", "int32", "bool", "float16", "bfloat16", "float32", "float64")
 
 LITERAL = [
     "torch.full_like({x}, {lit}, dtype=torch.{dt})", "torch.zeros_like({x}, dtype=torch.{dt})",

@@ -82,8 +82,10 @@ def literal(value, dtype: torch.dtype) -> str:
 
 
 def _only_constants(n: Node) -> bool:
-    """No load, loop variable or size symbol below `n`: Triton folds it to a Python number."""
-    return all(x.op == "const" for x in walk(n) if not x.args)
+    """No load, loop variable or size symbol below `n`: Triton folds it to a Python number.
+    (A load is no leaf: one at a constant offset, `t0 + 1` over a value read at offset 0, is a
+    tensor, and wrapping it in tl.full failed.)"""
+    return not any(x.op in ("load", "var", "sym") for x in walk(n))
 
 
 class TritonEmitter(ExprEmitter):
