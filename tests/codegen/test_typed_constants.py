@@ -142,13 +142,16 @@ def test_python_ints_beyond_int32(tf, backend):
     y = torch.randint(-2 ** 40, 2 ** 40, (5, 7))
     m = torch.rand(5, 7) > 0.5
     big = 2 ** 40
-    labels = ["full", "add", "where", "clamp", "compare", "min int64", "max int64", "mul amax", "fill", "sub"]
+    y32 = torch.randint(-9, 9, (5, 7), dtype=torch.int32)
+    labels = ["full", "add", "where", "clamp", "compare", "min int64", "max int64", "mul amax", "fill", "sub",
+              "int32 > 2**40", "int32 + 2**40", "int32 == 2**33 + 3"]
 
-    def program(y, m):
+    def program(y, m, y32):
+        # next to an int32 tensor, ATen wraps the Python int to int32 (2**40 -> 0)
         return (torch.full((5,), big), y + big, torch.where(m, big, y), y.clamp(-big, big), y < 2 ** 35,
                 torch.full_like(y, -2 ** 63), torch.full_like(y, 2 ** 63 - 1), (y * 2 ** 13).amax(-1),
-                y.masked_fill(m, -big), y - (2 ** 62 + 1))
-    _compile_and_compare(tf, program, (y, m), _options(backend), labels)
+                y.masked_fill(m, -big), y - (2 ** 62 + 1), y32 > big, y32 + big, y32 == 2 ** 33 + 3)
+    _compile_and_compare(tf, program, (y, m, y32), _options(backend), labels)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

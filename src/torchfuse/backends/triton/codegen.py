@@ -78,7 +78,11 @@ def literal(value, dtype: torch.dtype) -> str:
         else:
             v = repr(float(value))
         return f"tl.full([1], {v}, {TL[dtype]})"
-    return f"tl.full([1], {int(value)}, {TL[dtype]})"
+    info = torch.iinfo(dtype)
+    # wrapped into the dtype's range, as ATen casts a Python int (int32 x > 2**40 compares
+    # with 0), where tl.full raises on an int out of range
+    v = (int(value) - info.min) % (1 << info.bits) + info.min
+    return f"tl.full([1], {v}, {TL[dtype]})"
 
 
 def _only_constants(n: Node) -> bool:
