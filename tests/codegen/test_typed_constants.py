@@ -198,7 +198,7 @@ def test_triton_literal_is_a_typed_value():
     """The emitter's contract, on the generated text: a constant reached as a value is a typed
     0-d tensor for every dtype; in index arithmetic it is a bare number."""
     pytest.importorskip("triton")
-    from torchfuse.codegen.triton import TritonEmitter
+    from torchfuse.backends.triton.codegen import TritonEmitter
     from torchfuse.ir.nodes import const, var
     em = TritonEmitter({})
     for dtype, pairs in VALUES.items():
