@@ -655,7 +655,7 @@ def _backend_environment(options: dict) -> dict[str, str]:
     """What the CPU backend these options pick needs set before it is imported."""
     from .. import backends
     from ..config import Config
-    config = Config.from_options({k: v for k, v in options.items() if k != "dynamic"})
+    config = Config.from_options({k: v for k, v in options.items() if k not in ("dynamic", "device")})
     return backends.for_device("cpu", config).environment
 
 
