@@ -667,7 +667,7 @@ def regression_source(prog: Program, error: str) -> str:
     env = _backend_environment(prog.options)
     preamble = "import os\n\nimport pytest\n" if env else ""
     setup = "".join(f'\nos.environ.setdefault("{k}", "{v}")' for k, v in env.items())
-    setup += f"\npytest.importorskip({prog.options['cpu_backend']!r})\n" if env else ""
+    setup += f'\npytest.importorskip("{prog.options["cpu_backend"]}")\n' if env else ""
     return REGRESSION_TEMPLATE.format(digest=prog.digest(), error=err.replace('"""', "'"), inputs=inputs,
                                       source=prog.source(), options=prog.options, preamble=preamble,
                                       triton_setup=setup)
