@@ -184,50 +184,191 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b)
 
 
-def _binder(launcher: Callable, before: tuple, extra: tuple, device: int, packed: bool) -> Callable:
-    """`bind(grid, tail) -> go(*args)` for a launcher called as
-    `launcher(gx, gy, gz, stream, *before, <args + tail + extra>)`, the kernel arguments either
-    spread out or `packed` into one tuple."""
-    import torch
-    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
-    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
-    stream = torch._C._cuda_getCurrentRawStream
+# A direct launch is one call of a launcher with the binary's constants, the stream and the
+# kernel's arguments in the launcher's order.  Each way of calling is generated once per layout
+# (which constants, where the stream and the arguments go, how many arguments) as a function of
+# exactly the kernel's arguments, with everything else bound: no per-launch `*args` unpacking,
+# tuple concatenation or argument binding.
+_GO_SOURCE = """
+def make(launch, stream, device{consts}):
+    def go({params}):
+        launch({call})
+    return go
+"""
+_go_factories: dict[tuple, Callable] = {}
 
-    def bind(grid: tuple, tail: tuple) -> Callable:
-        (gx, gy, gz), rest = grid, tuple(tail) + extra
-        if packed:
-            def go(*args: Any) -> None:
-                launcher(gx, gy, gz, stream(device), *before, args + rest)
-        else:
-            def go(*args: Any) -> None:
-                launcher(gx, gy, gz, stream(device), *before, *args, *rest)
-        return go
+
+def _go_factory(layout: tuple, n_consts: int, n_args: int, n_rest: int, keep: tuple | None) -> Callable:
+    """`make(launch, stream, device, *consts, *rest) -> go(a0, ..., a{n_args-1})` for `layout`, a
+    tuple of "c" (the next constant), "s" (the stream), "spread" or "packed" (the arguments
+    `a... + rest...`, those at the positions `keep` if given, in place or as one tuple)."""
+    key = (layout, n_consts, n_args, n_rest, keep)
+    factory = _go_factories.get(key)
+    if factory is None:
+        names = [f"a{i}" for i in range(n_args)] + [f"r{i}" for i in range(n_rest)]
+        if keep is not None:
+            names = [names[i] for i in keep]
+        parts, c = [], 0
+        for token in layout:
+            if token == "c":
+                parts.append(f"c{c}")
+                c += 1
+            elif token == "s":
+                parts.append("stream(device)")
+            elif token == "packed":
+                parts.append("(" + "".join(n + ", " for n in names) + ")")
+            elif names:
+                parts.append(", ".join(names))
+        source = _GO_SOURCE.format(consts="".join(f", c{i}" for i in range(n_consts))
+                                   + "".join(f", r{i}" for i in range(n_rest)),
+                                   params=", ".join(f"a{i}" for i in range(n_args)), call=", ".join(parts))
+        scope: dict[str, Any] = {}
+        exec(compile(source, f"<torchfuse launcher {len(_go_factories)}>", "exec"), scope)
+        factory = _go_factories[key] = scope["make"]
+    return factory
+
+
+def _binder(launcher: Callable, layout: tuple, consts: tuple, extra: tuple, device: int,
+            keep: tuple | None = None, n_params: int | None = None) -> Callable:
+    """`bind(grid, tail, n_args) -> go(*args)` for a launcher called as `layout` says (see
+    `_go_factory`; grid dims are the constants "g"), with the kernel arguments `args + tail +
+    extra` (`n_params` of them, where `keep` picks by position)."""
+    stream = _raw_stream()
+    shape = tuple("c" if t == "g" else t for t in layout)
+
+    def bind(grid: tuple, tail: tuple, n_args: int) -> Callable:
+        dims = iter(grid)
+        values, rest, it = [], tuple(tail) + extra, iter(consts)
+        if n_params is not None and n_args + len(rest) != n_params:
+            raise ValueError(f"{n_args + len(rest)} arguments for a kernel of {n_params} parameters")
+        for token in layout:
+            if token == "g":
+                values.append(next(dims))
+            elif token == "c":
+                values.append(next(it))
+        return _go_factory(shape, len(values), n_args, len(rest), keep)(launcher, stream, device, *values, *rest)
     return bind
 
 
-def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[Callable]:
-    """Ways to call the compiled binary's launcher, fastest first, each as
-    `bind(grid, tail) -> go(*args)`.  `args` are the kernel's arguments with pointers as ints:
-    Triton's C launchers take an int as the device pointer itself, where for a tensor they call
-    `data_ptr()` and ask the driver about the pointer (`cuPointerGetAttribute`) on every launch.
-    Each convention is only trusted after it reproduced a launch (see `_make_fast`)."""
+def _raw_stream() -> Callable[[int], int]:
+    """The current stream of a device as an int.  torch.cuda.current_stream() costs ~5-10 us of
+    Python per call (device lookup, availability checks); the raw getter is what Inductor's
+    wrappers call too."""
+    import torch
+    return torch._C._cuda_getCurrentRawStream
+
+
+def _static_launcher() -> Callable | None:
+    """torch's C++ launcher of Triton binaries, `_launch_kernel(function, gx, gy, gz, warps,
+    shared, arg_types, args, stream)`, where this torch has one (a CUDA build)."""
+    try:
+        from torch._C import _StaticCudaLauncher
+        return _StaticCudaLauncher._launch_kernel
+    except (ImportError, AttributeError):
+        return None
+
+
+_STATIC_TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+                 "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
+
+
+def _static_launch(binary: Any) -> tuple | None:
+    """(launch, constants, keep, scratch pointers) for launching `binary` through torch's own C++ launcher of
+    Triton binaries (`torch._C._StaticCudaLauncher`, which Inductor launches with), or None
+    where it cannot: no such launcher in this torch, launch hooks set, or a binary that needs
+    what it lacks (clusters, cooperative or PDL launches, scratch memory, tensor descriptors).
+    It takes only the binary's run-time parameters (`keep`: their positions among all of the
+    kernel's parameters; constexprs and ints Triton specialized to constants are not passed)
+    and the per-kernel scratch pointers the compiled code expects."""
+    launch = _static_launcher()
+    if launch is None:
+        return None
+    md, src = getattr(binary, "metadata", None), getattr(binary, "src", None)
+    fn = getattr(src, "fn", None)
+    names = getattr(fn, "arg_names", None)
+    if md is None or names is None or not isinstance(getattr(src, "signature", None), dict):
+        return None
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
+            or getattr(md, "launch_pdl", False) or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or _launch_hooks()):
+        return None
+
+    def index(k: Any) -> Any:
+        return names.index(k) if isinstance(k, str) else k[0] if isinstance(k, tuple) and len(k) == 1 else k
+
+    signature = {index(k): v for k, v in src.signature.items()}
+    constants = {index(k) for k in getattr(src, "constants", {})}
+    keep, types = [], []
+    for i in range(len(names)):
+        ty = signature.get(i)
+        if not isinstance(ty, str):
+            return None
+        if ty == "constexpr" or i in constants:
+            continue
+        code = "O" if ty.startswith("*") else _STATIC_TYPES.get(ty)
+        if code is None:
+            return None
+        keep.append(i)
+        types.append(code)
+    # newer Triton binaries take a global (and a profile) scratch pointer after the parameters,
+    # null when their size is 0
+    scratch = sum(hasattr(md, a) for a in ("global_scratch_size", "profile_scratch_size"))
+    shared = getattr(binary, "shared", None)
+    shared = md.shared if shared is None else shared
+    return launch, (binary.function, md.num_warps, shared, "".join(types) + "O" * scratch), tuple(keep), scratch
+
+
+def _launch_hooks() -> bool:
+    """Are Triton launch hooks set (a profiler's)?  Only Triton's own launchers call them."""
+    try:
+        from triton import knobs
+        hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    except (ImportError, AttributeError):
+        from triton.compiler.compiler import CompiledKernel
+        hooks = (getattr(CompiledKernel, "launch_enter_hook", None), getattr(CompiledKernel, "launch_exit_hook", None))
+    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+
+
+def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[tuple[str, Callable | None]]:
+    """Ways to call the compiled binary's launcher, fastest first, each as (name,
+    `bind(grid, tail, n_args) -> go(*args)`), the bind None where that way does not apply to this
+    binary.  `args` are the kernel's arguments with pointers as ints: the C launchers take an int
+    as the device pointer itself, where for a tensor they call `data_ptr()` and ask the driver
+    about the pointer (`cuPointerGetAttribute`) on every launch.  Each convention is only
+    trusted after it reproduced a launch (see `_make_fast`)."""
     run, function, meta = binary.run, binary.function, binary.packed_metadata
     launch = getattr(run, "launch", None)
+    # torch's C++ launcher, as Inductor launches: the least work per launch (one argument tuple
+    # parsed by a type string, then cuLaunchKernel), the same on every Triton version
+    static = _static_launch(binary)
+    if static is not None:
+        fn, consts, keep, scratch = static
+        # the kernel's parameters are `args + tail + constexprs`, the scratch pointers after them
+        n_params = len(binary.src.fn.arg_names)
+        yield "static", _binder(fn, ("c", "g", "g", "g", "c", "c", "c", "packed", "s"), consts,
+                                constexprs + (None,) * scratch, device,
+                                keep + tuple(range(n_params, n_params + scratch)), n_params + scratch)
+    else:
+        yield "static", None
     # The C launcher itself, past the Python `CudaLauncher.__call__` (which allocates scratch
     # memory, none here, and builds two closures per launch).  Its arguments changed in Triton
     # 3.7-ish: one shared launcher taking the kernel's signature, instead of one per kernel.
     direct = _launcher_kind(binary)[1]
     coop, pdl = getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False)
-    for extra in (constexprs, ()):      # newer Triton: all params; older: the runtime ones
+    for n, extra in enumerate((constexprs, ())):      # newer Triton: all params; older: the runtime ones
         if direct and hasattr(run, "kernel_signature"):
-            before = (function, coop, pdl, meta, None, None, None, None, None, run.arg_annotations,
+            consts = (function, coop, pdl, meta, None, None, None, None, None, run.arg_annotations,
                       run.kernel_signature)
-            yield _binder(launch, before, extra, device, packed=True)
+            yield f"direct-packed-{n}", _binder(launch, ("g", "g", "g", "s") + ("c",) * len(consts) + ("packed",),
+                                                consts, extra, device)
         elif direct:
-            before = (function, coop, pdl, None, None, meta, None, None, None)
-            yield _binder(launch, before, extra, device, packed=False)
-    for extra in (constexprs, ()):      # the Python launcher, as Triton's own launch calls it
-        yield _binder(run, (function, meta, None, None, None), extra, device, packed=False)
+            consts = (function, coop, pdl, None, None, meta, None, None, None)
+            yield f"direct-{n}", _binder(launch, ("g", "g", "g", "s") + ("c",) * len(consts) + ("spread",),
+                                         consts, extra, device)
+    for n, extra in enumerate((constexprs, ())):      # the Python launcher, as Triton's own launch calls it
+        consts = (function, meta, None, None, None)
+        yield f"python-{n}", _binder(run, ("g", "g", "g", "s") + ("c",) * len(consts) + ("spread",), consts, extra,
+                                     device)
 
 
 def _pointer(a: Any) -> Any:
@@ -238,7 +379,7 @@ def _pointer(a: Any) -> Any:
 # launcher (they come from one Triton): a kernel whose arguments are too large to snapshot twice
 # adopts it unverified, so the first call's peak memory is not two copies of the largest kernel.
 _VERIFY_BYTES = 16 << 20
-_trusted: dict[tuple, int] = {}
+_trusted: dict[tuple, set[str]] = {}    # per kind of launcher: the conventions verified
 
 
 def _launcher_kind(binary: Any) -> tuple:
@@ -259,8 +400,8 @@ def _snapshot(args: tuple) -> list | None:
 
 
 def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before: list | None) -> Any:
-    """A direct launcher for this binary (`fast(grid, args)`, with `fast.bind(grid, tail)` for
-    a call site whose launch never changes), False if none works, or None to decide later.
+    """A direct launcher for this binary (`fast(grid, args)`, with `fast.bind(grid, tail, n_args)`
+    for a call site whose launch never changes), False if none works, or None to decide later.
 
     With `before` (the tensor arguments as they were before the launch just made through
     Triton's `kernel[grid](...)`), the first calling convention that reproduces that launch bit
@@ -272,39 +413,45 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before:
     tensors = [a for a in args if isinstance(a, _Tensor)]
     device = tensors[0].device.index if tensors else torch.cuda.current_device()
     kind = _launcher_kind(binary)
-    conventions = list(_conventions(binary, constexprs, device))
+    conventions = [(name, bind) for name, bind in _conventions(binary, constexprs, device) if bind is not None]
 
     def fast_for(bind: Callable) -> Callable:
         def fast(grid: tuple, args: tuple, bind: Callable = bind) -> None:
-            bind(grid, ())(*map(_pointer, args))
+            bind(grid, (), len(args))(*map(_pointer, args))
         fast.bind = bind
         return fast
 
     if before is None:
         if kind not in _trusted:
             _verify_on_probe(device)
-        index = _trusted.get(kind)
-        return fast_for(conventions[index]) if index is not None and index < len(conventions) else None
+        trusted = _trusted.get(kind, ())
+        return next((fast_for(bind) for name, bind in conventions if name in trusted), None)
     torch.cuda.synchronize()
     expected = [t.clone() for t in tensors]
     pointers = tuple(_pointer(a) for a in args)
-    for index, bind in enumerate(conventions):
+    chosen = None
+    for name, bind in conventions:
         # only what a launch wrote is put back, through `.data`: a copy_ into a tensor bumps its
         # version counter, and autograd refuses a backward whose saved input (token ids) was bumped
         for t, b in zip(tensors, before):
             if not _same(t, b):
                 t.data.copy_(b)
         try:
-            bind(grid, ())(*pointers)
+            bind(grid, (), len(pointers))(*pointers)
             torch.cuda.synchronize()
         except Exception:
             continue
         if all(_same(t, e) for t, e in zip(tensors, expected)):
-            _trusted[kind] = index
-            return fast_for(bind)
-    for t, e in zip(tensors, expected):    # undo whatever the wrong conventions wrote
-        t.data.copy_(e)
-    return False
+            _trusted.setdefault(kind, set()).add(name)
+            chosen = chosen or fast_for(bind)
+            # torch's launcher does not take every binary (scratch memory, hooks): one of
+            # Triton's own is verified too, for those
+            if name != "static":
+                break
+    for t, e in zip(tensors, expected):    # undo whatever a wrong convention wrote
+        if not _same(t, e):
+            t.data.copy_(e)
+    return False if chosen is None else chosen
 
 
 _probed: set[int] = set()
@@ -581,31 +728,39 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
 # --------------------------------------------------------------------------------------------
 # call sites: the wrapper's launches after the first
 # --------------------------------------------------------------------------------------------
-# Each kernel call in a generated wrapper gets its own site function.  A site remembers the
-# launch it made last (its sizes, and the direct launcher bound to that launch's grid, size
-# arguments and block sizes); the next call with the same sizes and 16-byte-aligned pointers
-# costs a tuple compare, one data_ptr() per buffer and the C launcher.  The buffers' dtypes are
-# those the wrapper was generated for (its callers are guarded on them), so they need no check.
-# Anything else (new sizes, a misaligned view, the first call, the interpreter) takes the
-# launch helper above, which also compiles.
+# Each kernel call in a generated wrapper gets its own site function.  A site keeps, per shape
+# class (the values of its size and symbol arguments: every int the kernel takes), the direct
+# launcher bound to that class's grid, size arguments and block sizes.  A launch of a known class
+# with 16-byte-aligned pointers costs one dict lookup, one data_ptr() per buffer and the bound
+# launcher: no argument binding, no specialization key, no plan lookup.  That is also the whole of
+# Triton's specialization check: the ints are the key itself (== 1, divisible by 16), the
+# pointers' alignment is tested, and the buffers' dtypes are those the wrapper was generated for
+# (Dynamo's guards hold its callers to them).  Anything else (a new class, a misaligned view,
+# the first call, the interpreter) takes the launch helper above, which also compiles; a new
+# class is bound on its next launch.  Dynamic shapes bring a new class per size: at most
+# _SITE_CLASSES are kept per site.
+_SITE_CLASSES = 64
 
 _SITE_SOURCE = """
-def make(helper, kernels, helper_kwargs):
-    key = go = None
+def make(helper, kernels, helper_kwargs, limit):
+    bound = {{}}
 
     def slow(site_key, pointer_bits, *call):
-        nonlocal key, go
         launched = helper(*kernels, *call, **helper_kwargs)
         if launched is not None and launched[0] and not pointer_bits & 15:
             fast, (_, grid, tail, _, _, _) = launched
-            go, key = fast.bind(grid, tail), site_key
+            if len(bound) >= limit:
+                bound.clear()
+            bound[site_key] = fast.bind(grid, tail, {n_args})
 
     def site({params}):
         {pointers} = {data_ptrs}
-        if key == ({keys}) and not ({bits}) & 15:
+        go = bound.get(({keys}))
+        if go is not None and not ({bits}) & 15:
             go({go_args})
         else:
             slow(({keys}), {bits}, {params})
+    site._tf_bound = bound
     return site
 """
 _site_factories: dict[tuple[int, int, int], Callable] = {}
@@ -615,7 +770,7 @@ def make_site(helper: Callable, kernels: tuple, n_sizes: int, n_buffers: int, n_
               **helper_kwargs: Any) -> Callable:
     """A call site for `helper(*kernels, *sizes, *buffers, *symbols, **helper_kwargs)`
     (launch_pointwise / launch_tiled / launch_reduction), called as
-    `site(*sizes, *buffers, *symbols)`."""
+    `site(*sizes, *buffers, *symbols)`; `site._tf_bound` holds its bound launchers by class."""
     shape = (n_sizes, n_buffers, n_symbols)
     factory = _site_factories.get(shape)
     if factory is None:
@@ -629,8 +784,8 @@ def make_site(helper: Callable, kernels: tuple, n_sizes: int, n_buffers: int, n_
         source = _SITE_SOURCE.format(
             params=", ".join(sizes + buffers + symbols), pointers="".join(p + ", " for p in pointers),
             data_ptrs="".join(f"{b}.data_ptr(), " for b in buffers), keys="".join(k + ", " for k in keys),
-            bits=" | ".join(pointers), go_args=", ".join(pointers + symbols))
+            bits=" | ".join(pointers), go_args=", ".join(pointers + symbols), n_args=n_buffers + n_symbols)
         scope: dict[str, Any] = {}
         exec(compile(source, f"<torchfuse launch site {shape}>", "exec"), scope)
         factory = _site_factories[shape] = scope["make"]
-    return factory(helper, tuple(kernels), helper_kwargs)
+    return factory(helper, tuple(kernels), helper_kwargs, _SITE_CLASSES)
