@@ -15,10 +15,11 @@ Workloads (CUDA, TF32 off):
 Per workload and backend: kernels a step (GPU kernels, memcpys and memsets from torch.profiler),
 GPU time a step (the profiler's sum of their durations), the step's wall time (back to back, one
 `torch.cuda.synchronize()` after all steps), the host's enqueue time (the same loop before
-that synchronize) and host microseconds per launched kernel (enqueue time over kernels), and the
-largest relative error against eager.  When the host enqueues slower than the GPU runs, the wall
-time is the host's.  `--profile` writes a cProfile of Inductor's and torchfuse's steps (tottime and
-cumulative) to $OUT (or the working directory) as launch_profile_<workload>_<backend>.txt.
+that synchronize), host microseconds per launched kernel (enqueue time over kernels), and the
+relative error against eager (||out - eager|| / ||eager||).  When the host enqueues slower than
+the GPU runs, the wall time is the host's.  `--profile` writes a cProfile of Inductor's and
+torchfuse's steps (tottime and cumulative) and torch.profiler's CPU ops by input shape to $OUT
+(or the working directory) as launch_profile_<workload>_<backend>.txt.
 The table is printed last.
 """
 from __future__ import annotations
@@ -223,9 +224,18 @@ def run(name: str, make: Callable, steps: int, rounds: int, profile_dir: str | N
                 st = pstats.Stats(pr, stream=s)
                 st.sort_stats("tottime").print_stats(30)
                 st.sort_stats("cumulative").print_stats(30)
+                from torch.profiler import ProfilerActivity, profile
+
                 from torchfuse.backends.triton import launch as triton_launch
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    for _ in range(5):
+                        fn(*args)
+                    torch.cuda.synchronize()
+                ops = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25,
+                                                                          max_name_column_width=50)
                 with open(os.path.join(profile_dir, f"launch_profile_{name}_{backend}.txt"), "w") as f:
-                    f.write(f"verified launcher conventions: {triton_launch._trusted}\n" + s.getvalue())
+                    f.write(f"verified launcher conventions: {triton_launch._trusted}\n" + s.getvalue()
+                            + "\n\ntorch.profiler, CPU self time, 5 steps, by input shape\n" + ops)
     return rows
 
 

@@ -8,7 +8,9 @@ and torchfuse, builds the zoo model (GPU size: GPT-2 small is batch 8 x 512 toke
 its first call (inference, no_grad), nothing warmed up before: compile workers, CUDA context,
 Triton's driver and compiler all start inside it, as on a fresh machine.  It prints the import
 times, the first and second call and, for torchfuse, `counters.seconds` by stage and the
-counters (graphs, kernels generated, distinct Triton binaries, kernels compiled in workers).
+counters (graphs, kernels generated, distinct Triton binaries, kernels compiled in workers), and
+torchfuse's debug log lines about the precompile (per-job seconds in the workers, the slowest),
+with milliseconds since the process started.
 `--cprofile` also writes the first call's cProfile (cumulative, top 60) to $OUT or "." as
 cold_profile_<backend>.txt.
 """
@@ -22,7 +24,9 @@ import sys
 import tempfile
 
 CHILD = r'''
-import json, os, sys, time
+import json, logging, os, sys, time
+logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+logging.getLogger("torchfuse").setLevel(logging.DEBUG)     # the precompile's own timings, on stderr
 t0 = time.perf_counter()
 import torch
 t_torch = time.perf_counter() - t0
@@ -88,6 +92,8 @@ def main() -> None:
                 print(f"{backend}: failed\n{proc.stderr[-3000:]}")
                 continue
             results[backend] = json.loads(line[-1][7:])
+            results[backend]["log"] = [x for x in proc.stderr.splitlines()
+                                       if "precompil" in x or "workers" in x or "compiled" in x][:12]
     for backend, r in results.items():
         print(f"== {backend}: import torch {r['import_torch_s']:.2f} s, torchfuse {r['import_torchfuse_s']:.2f} s; "
               f"first call {r['first_call_s']:.2f} s, second {1e3 * r['second_call_s']:.1f} ms; "
@@ -95,6 +101,8 @@ def main() -> None:
         if r["stages"]:
             print("   stages (s): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["stages"].items(), key=lambda kv: -kv[1])))
             print("   counters: " + ", ".join(f"{k} {v}" for k, v in sorted(r["counters"].items())))
+        for x in r["log"]:
+            print("   " + x[:200])
 
 
 if __name__ == "__main__":
