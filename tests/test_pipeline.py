@@ -294,7 +294,28 @@ def test_fallbacks_call_the_python_binding_only_when_it_binds_the_same_overload(
     flash = aten._scaled_dot_product_flash_attention.default
     assert python_binding(flash, 3, frozenset({"scale"})) is VF._scaled_dot_product_flash_attention
     assert python_binding(flash, 6) is flash                             # .quantized takes 6 positional too
-    assert python_binding(aten.copy_.default, 2) is aten.copy_.default     # mutating ops stay ops
+    # copy_.Tensor (TorchScript's) takes two tensors too: the op stays
+    assert python_binding(aten.copy_.default, 2) is aten.copy_.default
+    # an in-place op calls its Tensor method; the dim-name overload cannot take a dim number
+    assert python_binding(aten.index_copy_.default, 4) is torch._C.TensorBase.index_copy_
+    assert python_binding(aten.index_copy.default, 4) is VF.index_copy
+    assert python_binding(aten.mm.out, 2) is aten.mm.out                  # out= variants stay ops
+
+
+def test_in_place_fallback_is_called_through_its_tensor_method():
+    """A graph that keeps an in-place ATen op (make_fx without functionalization, as lazy mode
+    records) calls the resolved Tensor method from the wrapper, with eager's result."""
+    def f(x, idx, src):
+        y = x * 2
+        y.index_copy_(0, idx, src)
+        return (y + 1,)
+
+    x, idx, src = randn(7, 5), torch.tensor([4, 1]), randn(2, 5)
+    call = compile_graph(trace(f, x, idx, src), Config(), inference=True)
+    assert_outputs(call([x, idx, src]), f(x, idx, src))
+    constants = call._torchfuse_code.globals.values()
+    assert any(c is torch._C.TensorBase.index_copy_ for c in constants)
+    assert not any(isinstance(c, torch._ops.OpOverload) for c in constants)
 
 
 def test_fallback_bindings_match_eager(tf):

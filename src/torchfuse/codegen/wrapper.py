@@ -596,7 +596,8 @@ def _could_bind(schema: Any, n_positional: int, keywords: frozenset[str]) -> boo
             and keywords <= {a.name for a in schema.arguments})
 
 
-_NAMES = ("str", "Dimname", "Dimname?", "str?")    # (not lists: an empty list parses as either)
+# (not optional names, which None also fills; not lists: an empty list parses as either)
+_NAMES = ("str", "Dimname")
 
 
 def _types_differ(a: Any, b: Any, n_positional: int) -> bool:
