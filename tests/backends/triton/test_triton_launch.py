@@ -137,3 +137,72 @@ def test_site_launches_through_the_static_launcher(recorder, monkeypatch):
     site(4000, False, x, y, 17)
     assert recorder[-1][1][1:4] == (4, 1, 1) and recorder[-1][1][7] == (x.data_ptr(), y.data_ptr(), 17, 4000, None,
                                                                          None)
+
+
+def _fake_conventions(log: list, tensors: dict, factors: dict):
+    """Conventions whose launch computes out = inp * factor on CPU tensors found by address
+    (the launchers take pointers as ints), factor None: the convention does not apply."""
+    def conventions(binary, constexprs, device):
+        for name, factor in factors.items():
+            if factor is None:
+                yield name, None
+                continue
+
+            def bind(grid, tail, n_args, name=name, factor=factor):
+                def go(p_in, p_out, n):
+                    log.append(name)
+                    if factor == "raise":
+                        raise TypeError("wrong arity")
+                    tensors[p_out].copy_(tensors[p_in] * factor)
+                return go
+            yield name, bind
+    return conventions
+
+
+def test_launcher_selection_verifies_and_trusts_by_name(monkeypatch):
+    """The first convention that reproduces the launch is used; when that is torch's static
+    launcher, one of Triton's own is verified as well (for binaries the static launcher refuses);
+    wrong or failing conventions are skipped and what they wrote is undone.  A later binary
+    adopts a trusted convention unverified, one that applies to it."""
+    monkeypatch.setattr(triton_launch, "_trusted", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    x, y = torch.randn(37), torch.randn(37)
+    tensors = {x.data_ptr(): x, y.data_ptr(): y}
+    before = [x.clone(), y.clone()]
+    y.copy_(x * 2)                     # what Triton's own launch wrote
+    log = []
+    binary, _ = _binary()
+    monkeypatch.setattr(triton_launch, "_conventions", _fake_conventions(
+        log, tensors, {"static": 2, "direct-0": 3, "direct-1": "raise", "python-0": 2, "python-1": 2}))
+    fast = triton_launch._make_fast(binary, (x, y, 37), (), (1, 1, 1), before)
+    assert log == ["static", "direct-0", "direct-1", "python-0"]
+    assert triton_launch._trusted == {triton_launch._launcher_kind(binary): {"static", "python-0"}}
+    torch.testing.assert_close(y, x * 2, rtol=0, atol=0)       # direct-0's x * 3 undone
+    log.clear()
+    fast((1, 1, 1), (x, y, 37))
+    assert log == ["static"]
+
+    # a binary torch's launcher cannot take: the trusted Triton convention, not verified again
+    log.clear()
+    monkeypatch.setattr(triton_launch, "_conventions", _fake_conventions(
+        log, tensors, {"static": None, "direct-0": 3, "direct-1": "raise", "python-0": 2, "python-1": 2}))
+    fast = triton_launch._make_fast(binary, (x, y, 37), (), (1, 1, 1), None)
+    assert log == []
+    fast((1, 1, 1), (x, y, 37))
+    assert log == ["python-0"]
+
+
+def test_launcher_selection_without_a_working_convention(monkeypatch):
+    """No convention reproduces the launch: False (the kernel keeps Triton's own launch), the
+    outputs as Triton's launch left them, nothing trusted."""
+    monkeypatch.setattr(triton_launch, "_trusted", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    x, y = torch.randn(37), torch.randn(37)
+    tensors = {x.data_ptr(): x, y.data_ptr(): y}
+    before = [x.clone(), y.clone()]
+    y.copy_(x * 2)
+    monkeypatch.setattr(triton_launch, "_conventions", _fake_conventions(
+        [], tensors, {"static": 3, "direct-0": "raise", "python-0": 5}))
+    assert triton_launch._make_fast(_binary()[0], (x, y, 37), (), (1, 1, 1), before) is False
+    torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
+    assert triton_launch._trusted == {}
