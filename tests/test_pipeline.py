@@ -296,7 +296,7 @@ def test_fallbacks_call_the_python_binding_only_when_it_binds_the_same_overload(
     assert python_binding(flash, 6) is flash                             # .quantized takes 6 positional too
     # copy_.Tensor (TorchScript's) takes two tensors too: the op stays
     assert python_binding(aten.copy_.default, 2) is aten.copy_.default
-    # an in-place op calls its Tensor method; the dim-name overload cannot take a dim number
+    # an in-place op calls its Tensor method
     assert python_binding(aten.index_copy_.default, 4) is torch._C.TensorBase.index_copy_
     assert python_binding(aten.index_copy.default, 4) is VF.index_copy
     assert python_binding(aten.mm.out, 2) is aten.mm.out                  # out= variants stay ops

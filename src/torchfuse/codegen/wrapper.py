@@ -596,20 +596,6 @@ def _could_bind(schema: Any, n_positional: int, keywords: frozenset[str]) -> boo
             and keywords <= {a.name for a in schema.arguments})
 
 
-# (not optional names, which None also fills; not lists: an empty list parses as either)
-_NAMES = ("str", "Dimname")
-
-
-def _types_differ(a: Any, b: Any, n_positional: int) -> bool:
-    """Can no call with `n_positional` arguments valid for schema `a` bind to `b`?  True where a
-    positional argument is a name (str, Dimname) in one and not in the other: Python's argument
-    parser never takes an int or a tensor for a name (`index_copy_` over a dim number or a
-    dim name)."""
-    pa = [x for x in a.arguments if not x.kwarg_only][:n_positional]
-    pb = [x for x in b.arguments if not x.kwarg_only][:n_positional]
-    return any((str(x.type) in _NAMES) != (str(y.type) in _NAMES) for x, y in zip(pa, pb))
-
-
 def _in_place_method(op: Any) -> Any:
     """The Tensor method of an in-place aten op (`index_copy_`), or None."""
     schema = op._schema
@@ -632,7 +618,7 @@ def python_binding(op: Any, n_positional: int, keywords: frozenset[str] = frozen
     convolutions and attention run through here every forward (Inductor's wrappers call the
     bindings too).  The binding picks its overload from the arguments given, so it is only used
     when no other overload of the op could take a call with this many positional arguments and
-    these keywords (one taking a dim name where this one takes a number cannot)."""
+    these keywords."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return op
     packet = op.overloadpacket
@@ -642,8 +628,7 @@ def python_binding(op: Any, n_positional: int, keywords: frozenset[str] = frozen
         return op
     for name in packet.overloads():
         other = getattr(packet, name)
-        if (other is not op and _could_bind(other._schema, n_positional, keywords)
-                and not _types_differ(op._schema, other._schema, n_positional)):
+        if other is not op and _could_bind(other._schema, n_positional, keywords):
             return op
     return binding
 
