@@ -343,6 +343,7 @@ def test_bound_launchers_follow_triton_specialization_under_dynamic_shapes(monke
     bound launcher (torch's static launcher where this torch has one, as Inductor launches);
     classes seen before launch without the helper, sizes alternating; all as eager, also for a
     misaligned input, which always takes the checked path."""
+    from torchfuse.backends.triton import conventions as triton_conventions
     from torchfuse.backends.triton import launch as triton_launch
     helper_launches = []
     launch = triton_launch._launch
@@ -363,7 +364,7 @@ def test_bound_launchers_follow_triton_specialization_under_dynamic_shapes(monke
                 torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
             if i >= 4 and not misaligned:        # every class launched before: bound launchers only
                 assert len(helper_launches) == before, (n, misaligned)
-    if triton_launch._static_launcher() is not None:
+    if triton_conventions._static_launcher() is not None:
         assert any("static" in names for names in triton_launch._trusted.values()), triton_launch._trusted
 
 
@@ -372,6 +373,7 @@ def test_static_launcher_matches_triton_launcher(dtype, monkeypatch):
     """The same graph launched through torch's static launcher and through Triton's own (the
     static convention withheld), compared with eager: int and float arguments, a size-1 dim,
     symbolic sizes and a reduction with its looped variant."""
+    from torchfuse.backends.triton import conventions as triton_conventions
     from torchfuse.backends.triton import launch as triton_launch
 
     def f(x, y, s: float):
@@ -381,7 +383,7 @@ def test_static_launcher_matches_triton_launcher(dtype, monkeypatch):
     for withheld in (False, True):
         torch._dynamo.reset()
         if withheld:
-            monkeypatch.setattr(triton_launch, "_static_launcher", lambda: None)
+            monkeypatch.setattr(triton_conventions, "_static_launcher", lambda: None)
             monkeypatch.setattr(triton_launch, "_trusted", {})
         cf = torch.compile(f, backend="torchfuse", dynamic=True, options={"strict": True})
         for n, width in ((32, 4096), (7, 40000), (1, 40)):

@@ -1,5 +1,5 @@
-"""The direct launchers of compiled Triton binaries (backends/triton/launch.py), on CPU: which
-launchers a binary gets and exactly what each passes.  Fake binaries and recording launchers stand
+"""The direct launchers of compiled Triton binaries (backends/triton/conventions.py and their
+selection in launch.py), on CPU: which launchers a binary gets and exactly what each passes.  Fake binaries and recording launchers stand
 in for the GPU; tests/gpu/test_cuda.py launches real ones and compares them with eager."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torchfuse.backends.triton import conventions as triton_conventions
 from torchfuse.backends.triton import launch as triton_launch
 
 NAMES = ["in0", "out0", "ks0", "xnumel", "rnumel", "XBLOCK", "RBLOCK", "BIG"]
@@ -36,9 +37,9 @@ def _binary(signature: dict | None = None, constants: dict | None = None, kernel
 @pytest.fixture
 def recorder(monkeypatch):
     calls = []
-    monkeypatch.setattr(triton_launch, "_static_launcher", lambda: lambda *a: calls.append(("static", a)))
-    monkeypatch.setattr(triton_launch, "_raw_stream", lambda: lambda device: 1000 + device)
-    monkeypatch.setattr(triton_launch, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(triton_conventions, "_static_launcher", lambda: lambda *a: calls.append(("static", a)))
+    monkeypatch.setattr(triton_conventions, "_raw_stream", lambda: lambda device: 1000 + device)
+    monkeypatch.setattr(triton_conventions, "_launch_hooks", lambda: False)
     return calls
 
 
@@ -47,7 +48,7 @@ def test_static_launcher_passes_the_run_time_parameters_only(recorder):
     specialized to a constant: rnumel == 1 here) with their type codes, then the scratch
     pointers; grid, warps and shared memory bound once, the stream read per launch."""
     binary, _ = _binary()
-    conventions = dict(triton_launch._conventions(binary, (1024, 1, False), 2))
+    conventions = dict(triton_conventions.conventions(binary, (1024, 1, False), 2))
     go = conventions["static"]((5, 1, 1), (4000, 1), 3)
     go(0x1000, 0x2000, 17)
     fn, gx, gy, gz, warps, shared, types, args, stream = recorder[-1][1]
@@ -65,21 +66,21 @@ def test_static_launcher_is_not_used_where_it_cannot_launch(recorder, monkeypatc
     for refused in (dict(global_scratch_size=256), dict(num_ctas=2), dict(launch_pdl=True),
                     dict(launch_cooperative_grid=True)):
         binary, _ = _binary(**refused)
-        assert triton_launch._static_launch(binary) is None, refused
+        assert triton_conventions._static_launch(binary) is None, refused
     tensordesc = dict(_binary()[0].src.signature, in0="tensordesc<fp32[16, 16]>")
-    assert triton_launch._static_launch(_binary(signature=tensordesc)[0]) is None
-    monkeypatch.setattr(triton_launch, "_launch_hooks", lambda: True)       # a profiler's hooks: Triton's launcher
+    assert triton_conventions._static_launch(_binary(signature=tensordesc)[0]) is None
+    monkeypatch.setattr(triton_conventions, "_launch_hooks", lambda: True)       # a profiler's hooks: Triton's launcher
     binary, _ = _binary()
-    assert dict(triton_launch._conventions(binary, (1024, 1, False), 0))["static"] is None
-    monkeypatch.setattr(triton_launch, "_launch_hooks", lambda: False)
-    monkeypatch.setattr(triton_launch, "_static_launcher", lambda: None)   # a CPU build of torch
-    assert triton_launch._static_launch(binary) is None
+    assert dict(triton_conventions.conventions(binary, (1024, 1, False), 0))["static"] is None
+    monkeypatch.setattr(triton_conventions, "_launch_hooks", lambda: False)
+    monkeypatch.setattr(triton_conventions, "_static_launcher", lambda: None)   # a CPU build of torch
+    assert triton_conventions._static_launch(binary) is None
 
 
 def test_static_launcher_refuses_a_call_of_another_arity(recorder):
     """A launch whose argument count is not the kernel's never reaches the GPU."""
     binary, _ = _binary()
-    bind = dict(triton_launch._conventions(binary, (1024, 1, False), 0))["static"]
+    bind = dict(triton_conventions.conventions(binary, (1024, 1, False), 0))["static"]
     with pytest.raises(ValueError):
         bind((5, 1, 1), (4000,), 3)
     assert recorder == []
@@ -91,7 +92,7 @@ def test_triton_launchers_calling_conventions(recorder, kernel_signature):
     signature and the arguments as one tuple; Triton 3.6's per-kernel launcher takes them
     spread out.  Each with the constexprs (newer) or without (older), then the Python launcher."""
     binary, direct = _binary(kernel_signature=kernel_signature)
-    conventions = list(triton_launch._conventions(binary, (1024, 1, False), 0))
+    conventions = list(triton_conventions.conventions(binary, (1024, 1, False), 0))
     names = [n for n, _ in conventions]
     direct_names = ["direct-packed-0", "direct-packed-1"] if kernel_signature else ["direct-0", "direct-1"]
     assert names == ["static"] + direct_names + ["python-0", "python-1"]
@@ -110,7 +111,7 @@ def test_triton_launchers_calling_conventions(recorder, kernel_signature):
 def test_bound_launchers_of_one_layout_share_their_code(recorder):
     """The launcher function is generated once per layout and arity, not per kernel or class."""
     binary, _ = _binary()
-    bind = dict(triton_launch._conventions(binary, (1024, 1, False), 0))["static"]
+    bind = dict(triton_conventions.conventions(binary, (1024, 1, False), 0))["static"]
     a, b = bind((5, 1, 1), (4000, 1), 3), bind((9, 1, 1), (8000, 1), 3)
     assert a.__code__ is b.__code__ and a is not b
     b(1, 2, 3)
@@ -121,7 +122,7 @@ def test_site_launches_through_the_static_launcher(recorder, monkeypatch):
     """End to end on CPU: a call site whose helper returns a direct launcher built by
     `_make_fast`'s `fast_for` binds it per class and calls torch's launcher with int pointers."""
     binary, _ = _binary()
-    bind = dict(triton_launch._conventions(binary, (1024, 1, False), 0))["static"]
+    bind = dict(triton_conventions.conventions(binary, (1024, 1, False), 0))["static"]
 
     def fast(grid, args):
         bind(grid, (), len(args))(*map(triton_launch._pointer, args))
