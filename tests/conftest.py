@@ -26,6 +26,11 @@ if not torch.cuda.is_available():
 import torchfuse
 from torchfuse import counters
 
+if "torchfuse" not in torch._dynamo.list_backends(exclude_tags=()):
+    # the source tree on PYTHONPATH, not installed: no entry point registered the backend name
+    from torchfuse.frontend.dynamo import torchfuse_backend
+    torch._dynamo.register_backend(torchfuse_backend, name="torchfuse")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _torchfuse_cache_dir(tmp_path_factory: pytest.TempPathFactory):

@@ -232,22 +232,24 @@ def test_num_threads_option(tmp_path):
         assert_outputs(call([x]), f(x))
 
 
-def test_triton_launch_site_binds_after_first_launch():
+def test_triton_launch_site_binds_after_first_launch(monkeypatch):
     """A call site takes the helper (which plans, compiles and verifies a direct launcher) on
-    its first call, on new sizes and on pointers not 16-byte aligned; otherwise it calls the
-    launcher bound to its last launch with the buffers' addresses."""
-    from torchfuse.backends.triton.launch import make_site
+    the first call of each shape class (its sizes and symbols), and on pointers not 16-byte
+    aligned; otherwise it calls the launcher bound to that class with the buffers' addresses.
+    Classes seen before stay bound (a dynamic graph alternating sizes launches directly), at
+    most _SITE_CLASSES of them."""
+    from torchfuse.backends.triton import launch as triton_launch
     calls = []
 
     class Fast:
-        def bind(self, grid, tail):
-            return lambda *args: calls.append(("bound", grid, tail, args))
+        def bind(self, grid, tail, n_args):
+            return lambda *args: calls.append(("bound", grid, tail, args, n_args))
 
     def helper(kernel, xnumel, big, *args, fast=Fast()):
         calls.append(("helper", xnumel, args))
         return fast, (kernel, (xnumel // 4, 1, 1), (xnumel, 1), (4, 1, big), 4, ("XBLOCK", "RBLOCK", "BIG"))
 
-    site = make_site(helper, ("k",), 2, 2, 1)
+    site = triton_launch.make_site(helper, ("k",), 2, 2, 1)
     a, b = torch.randn(64), torch.randn(64)
     pa, pb = a.data_ptr(), b.data_ptr()
     site(64, False, a, b, 7)
@@ -257,14 +259,27 @@ def test_triton_launch_site_binds_after_first_launch():
     site(32, False, a[1:], b, 7)
     site(32, False, a, b, 7)
     site(32, False, a, b, 8)
-    assert [c[0] for c in calls] == ["helper", "bound", "helper", "bound", "helper", "bound", "helper"]
-    assert calls[1] == ("bound", (16, 1, 1), (64, 1), (pa, pb, 7))
-    assert calls[3] == ("bound", (8, 1, 1), (32, 1), (pa, pb, 7))
-    assert calls[5] == calls[3]
+    site(64, False, a, b, 7)          # an earlier class: still bound
+    site(32, False, a, b, 8)
+    assert [c[0] for c in calls] == ["helper", "bound", "helper", "bound", "helper", "bound", "helper", "bound",
+                                     "bound"]
+    assert calls[1] == ("bound", (16, 1, 1), (64, 1), (pa, pb, 7), 3)
+    assert calls[3] == ("bound", (8, 1, 1), (32, 1), (pa, pb, 7), 3)
+    assert calls[5] == calls[3] and calls[7] == calls[1]
+    assert calls[8] == ("bound", (8, 1, 1), (32, 1), (pa, pb, 8), 3)
 
-    never = make_site(lambda *a: (False, None), ("k",), 1, 1, 0)     # no direct launcher: always the helper
+    never = triton_launch.make_site(lambda *a: (False, None), ("k",), 1, 1, 0)     # no direct launcher: always the helper
     never(4, a)
     never(4, a)
+    assert never._tf_bound == {}
+
+    monkeypatch.setattr(triton_launch, "_SITE_CLASSES", 3)
+    calls.clear()
+    small = triton_launch.make_site(helper, ("k",), 2, 1, 0)
+    for n in (8, 16, 24, 32, 8):       # the fourth class starts the table afresh
+        small(n, False, a)
+        small(n, False, a)
+    assert len(small._tf_bound) == 2 and [c[0] for c in calls].count("helper") == 5
 
 
 def test_fallbacks_call_the_python_binding_only_when_it_binds_the_same_overload():
@@ -279,7 +294,28 @@ def test_fallbacks_call_the_python_binding_only_when_it_binds_the_same_overload(
     flash = aten._scaled_dot_product_flash_attention.default
     assert python_binding(flash, 3, frozenset({"scale"})) is VF._scaled_dot_product_flash_attention
     assert python_binding(flash, 6) is flash                             # .quantized takes 6 positional too
-    assert python_binding(aten.copy_.default, 2) is aten.copy_.default     # mutating ops stay ops
+    # copy_.Tensor (TorchScript's) takes two tensors too: the op stays
+    assert python_binding(aten.copy_.default, 2) is aten.copy_.default
+    # an in-place op calls its Tensor method
+    assert python_binding(aten.index_copy_.default, 4) is torch._C.TensorBase.index_copy_
+    assert python_binding(aten.index_copy.default, 4) is VF.index_copy
+    assert python_binding(aten.mm.out, 2) is aten.mm.out                  # out= variants stay ops
+
+
+def test_in_place_fallback_is_called_through_its_tensor_method():
+    """A graph that keeps an in-place ATen op (make_fx without functionalization, as lazy mode
+    records) calls the resolved Tensor method from the wrapper, with eager's result."""
+    def f(x, idx, src):
+        y = x * 2
+        y.index_copy_(0, idx, src)
+        return (y + 1,)
+
+    x, idx, src = randn(7, 5), torch.tensor([4, 1]), randn(2, 5)
+    call = compile_graph(trace(f, x, idx, src), Config(), inference=True)
+    assert_outputs(call([x, idx, src]), f(x, idx, src))
+    constants = call._torchfuse_code.globals.values()
+    assert any(c is torch._C.TensorBase.index_copy_ for c in constants)
+    assert not any(isinstance(c, torch._ops.OpOverload) for c in constants)
 
 
 def test_fallback_bindings_match_eager(tf):

@@ -337,6 +337,68 @@ def test_launch_sites_direct_path_matches_eager():
             assert counters["kernel_builds"] == builds
 
 
+def test_bound_launchers_follow_triton_specialization_under_dynamic_shapes(monkeypatch):
+    """dynamic=True: a kernel's int arguments change with the batch size, and with them Triton's
+    specialization (a size divisible by 16, one that is not, 1).  Each shape class gets its own
+    bound launcher (torch's static launcher where this torch has one, as Inductor launches);
+    classes seen before launch without the helper, sizes alternating; all as eager, also for a
+    misaligned input, which always takes the checked path."""
+    from torchfuse.backends.triton import conventions as triton_conventions
+    from torchfuse.backends.triton import launch as triton_launch
+    helper_launches = []
+    launch = triton_launch._launch
+    monkeypatch.setattr(triton_launch, "_launch", lambda *a, **k: helper_launches.append(1) or launch(*a, **k))
+
+    def f(x, y):
+        return (x * 1.5 + y).relu(), (x - y).exp().sum(-1), x.t().contiguous() * 0.5
+
+    cf = torch.compile(f, backend="torchfuse", dynamic=True, options={"strict": True})
+    base = torch.randn(64 * 40 + 1, device="cuda")
+    sizes = (64, 48, 33, 1, 64, 33, 48, 1)
+    for i, n in enumerate(sizes):
+        for misaligned in (False, True, False):
+            x = base[1:n * 40 + 1].view(n, 40) if misaligned else torch.randn(n, 40, device="cuda")
+            y = torch.randn(n, 40, device="cuda")
+            before = len(helper_launches)
+            for out, ref in zip(cf(x, y), f(x, y)):
+                torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+            if i >= 4 and not misaligned:        # every class launched before: bound launchers only
+                assert len(helper_launches) == before, (n, misaligned)
+    if triton_conventions._static_launcher() is not None:
+        assert any("static" in names for names in triton_launch._trusted.values()), triton_launch._trusted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_launcher_matches_triton_launcher(dtype, monkeypatch):
+    """The same graph launched through torch's static launcher and through Triton's own (the
+    static convention withheld), compared with eager: int and float arguments, a size-1 dim,
+    symbolic sizes and a reduction with its looped variant."""
+    from torchfuse.backends.triton import conventions as triton_conventions
+    from torchfuse.backends.triton import launch as triton_launch
+
+    def f(x, y, s: float):
+        return torch.softmax(x * s, -1) + y, (x.float() ** 2).mean(-1), (y * s).to(torch.float32).cumsum(0)[-1]
+
+    outs = {}
+    for withheld in (False, True):
+        torch._dynamo.reset()
+        if withheld:
+            monkeypatch.setattr(triton_conventions, "_static_launcher", lambda: None)
+            monkeypatch.setattr(triton_launch, "_trusted", {})
+        cf = torch.compile(f, backend="torchfuse", dynamic=True, options={"strict": True})
+        for n, width in ((32, 4096), (7, 40000), (1, 40)):
+            x = torch.randn(n, width, device="cuda", dtype=dtype)
+            y = torch.randn(n, width, device="cuda", dtype=dtype)
+            for _ in range(3):
+                got = cf(x, y, 0.75)
+            for o, r in zip(got, f(x, y, 0.75)):
+                _close(o, r, dtype)
+            outs[(withheld, n)] = got
+    for n in (32, 7, 1):
+        for a, b in zip(outs[(False, n)], outs[(True, n)]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_in_place_and_large_kernels_get_direct_launchers():
     """A kernel writing in place (its output takes a dying input's storage) reproduces its first
     launch from a snapshot of its inputs, and one whose arguments are too large to snapshot

@@ -596,11 +596,22 @@ def _could_bind(schema: Any, n_positional: int, keywords: frozenset[str]) -> boo
             and keywords <= {a.name for a in schema.arguments})
 
 
+def _in_place_method(op: Any) -> Any:
+    """The Tensor method of an in-place aten op (`index_copy_`), or None."""
+    schema = op._schema
+    args = schema.arguments
+    if (not schema.name.split("::")[-1].endswith("_") or not args or args[0].name != "self"
+            or args[0].alias_info is None or not args[0].alias_info.is_write
+            or any(a.is_out for a in args) or any(a.alias_info is not None and a.alias_info.is_write for a in args[1:])):
+        return None
+    return getattr(torch._C.TensorBase, op.overloadpacket.__name__, None)
+
+
 @functools.lru_cache(maxsize=None)
 def python_binding(op: Any, n_positional: int, keywords: frozenset[str] = frozenset()) -> Any:
     """The generated Python binding of an aten op (`torch.convolution` for
-    `aten.convolution.default`) where calling it with these arguments is certain to run that
-    same overload; else the op itself.
+    `aten.convolution.default`, the Tensor method `index_copy_` for an in-place op) where calling
+    it with these arguments is certain to run that same overload; else the op itself.
 
     Calling an OpOverload boxes every argument through the op's schema: ~2 us more per call
     than the binding for `mm`, ~5 us for a convolution's nine arguments, and a model's matmuls,
@@ -608,10 +619,11 @@ def python_binding(op: Any, n_positional: int, keywords: frozenset[str] = frozen
     bindings too).  The binding picks its overload from the arguments given, so it is only used
     when no other overload of the op could take a call with this many positional arguments and
     these keywords."""
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten" or op._schema.is_mutable:
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return op
     packet = op.overloadpacket
-    binding = getattr(torch._C._VariableFunctions, packet.__name__, None)
+    binding = (_in_place_method(op) if op._schema.is_mutable
+               else getattr(torch._C._VariableFunctions, packet.__name__, None))
     if binding is None or not _could_bind(op._schema, n_positional, keywords):
         return op
     for name in packet.overloads():

@@ -25,6 +25,8 @@ from ...config import Config
 from ...counters import counters
 from ...runtime.cache_artifacts import record_triton_binary
 from ...runtime.cache_dir import _private_folder, atomic_write, cache_folder, enforce_limit, touch
+from .conventions import conventions as _conventions
+from .conventions import launcher_kind as _launcher_kind
 
 log = logging.getLogger("torchfuse")
 
@@ -157,9 +159,12 @@ def _tuning(kernel: Any) -> bool:
 # the lean launch path
 # --------------------------------------------------------------------------------------------
 # `kernel[grid](...)` re-binds and re-specializes every argument in Python on every call (~10-20 us).
-# After the first launch of a specialization we call the compiled binary's launcher directly.
-# Triton's launcher convention has changed between releases, so a fast launcher is only used
-# after it reproduced the slow launch bit for bit once; otherwise that kernel keeps the slow path.
+# After the first launch of a specialization we call a launcher of the compiled binary directly:
+# torch's static CUDA launcher (Inductor's) where this torch has one and the binary allows it,
+# else Triton's own C launcher (the ways of calling them: conventions.py).  Their calling
+# conventions change between releases, so a direct launcher is only used after it reproduced
+# the slow launch bit for bit once; otherwise that kernel keeps the slow path.  (H200, Triton 3.6: kernel[grid] 13.2 us a launch, a bound direct
+# launcher 5.5 us, of which cuLaunchKernel ~4.4; benchmarks/probes/launch_micro.py.)
 
 
 def _spec_key(args: tuple) -> tuple:
@@ -184,52 +189,6 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b)
 
 
-def _binder(launcher: Callable, before: tuple, extra: tuple, device: int, packed: bool) -> Callable:
-    """`bind(grid, tail) -> go(*args)` for a launcher called as
-    `launcher(gx, gy, gz, stream, *before, <args + tail + extra>)`, the kernel arguments either
-    spread out or `packed` into one tuple."""
-    import torch
-    # torch.cuda.current_stream() costs ~5-10 us of Python per call (device lookup, availability
-    # checks); the raw getter of the kernel's device is what Inductor's wrappers call too.
-    stream = torch._C._cuda_getCurrentRawStream
-
-    def bind(grid: tuple, tail: tuple) -> Callable:
-        (gx, gy, gz), rest = grid, tuple(tail) + extra
-        if packed:
-            def go(*args: Any) -> None:
-                launcher(gx, gy, gz, stream(device), *before, args + rest)
-        else:
-            def go(*args: Any) -> None:
-                launcher(gx, gy, gz, stream(device), *before, *args, *rest)
-        return go
-    return bind
-
-
-def _conventions(binary: Any, constexprs: tuple, device: int) -> Iterator[Callable]:
-    """Ways to call the compiled binary's launcher, fastest first, each as
-    `bind(grid, tail) -> go(*args)`.  `args` are the kernel's arguments with pointers as ints:
-    Triton's C launchers take an int as the device pointer itself, where for a tensor they call
-    `data_ptr()` and ask the driver about the pointer (`cuPointerGetAttribute`) on every launch.
-    Each convention is only trusted after it reproduced a launch (see `_make_fast`)."""
-    run, function, meta = binary.run, binary.function, binary.packed_metadata
-    launch = getattr(run, "launch", None)
-    # The C launcher itself, past the Python `CudaLauncher.__call__` (which allocates scratch
-    # memory, none here, and builds two closures per launch).  Its arguments changed in Triton
-    # 3.7-ish: one shared launcher taking the kernel's signature, instead of one per kernel.
-    direct = _launcher_kind(binary)[1]
-    coop, pdl = getattr(run, "launch_cooperative_grid", False), getattr(run, "launch_pdl", False)
-    for extra in (constexprs, ()):      # newer Triton: all params; older: the runtime ones
-        if direct and hasattr(run, "kernel_signature"):
-            before = (function, coop, pdl, meta, None, None, None, None, None, run.arg_annotations,
-                      run.kernel_signature)
-            yield _binder(launch, before, extra, device, packed=True)
-        elif direct:
-            before = (function, coop, pdl, None, None, meta, None, None, None)
-            yield _binder(launch, before, extra, device, packed=False)
-    for extra in (constexprs, ()):      # the Python launcher, as Triton's own launch calls it
-        yield _binder(run, (function, meta, None, None, None), extra, device, packed=False)
-
-
 def _pointer(a: Any) -> Any:
     return a.data_ptr() if isinstance(a, _Tensor) else a
 
@@ -238,15 +197,7 @@ def _pointer(a: Any) -> Any:
 # launcher (they come from one Triton): a kernel whose arguments are too large to snapshot twice
 # adopts it unverified, so the first call's peak memory is not two copies of the largest kernel.
 _VERIFY_BYTES = 16 << 20
-_trusted: dict[tuple, int] = {}
-
-
-def _launcher_kind(binary: Any) -> tuple:
-    run = binary.run
-    launch = getattr(run, "launch", None)
-    direct = (callable(launch) and getattr(run, "global_scratch_size", 1) == 0
-              and getattr(run, "profile_scratch_size", 1) == 0 and not getattr(run, "gsan_enabled", False))
-    return type(run), direct, hasattr(run, "kernel_signature")
+_trusted: dict[tuple, set[str]] = {}    # per kind of launcher: the conventions verified
 
 
 def _snapshot(args: tuple) -> list | None:
@@ -259,8 +210,8 @@ def _snapshot(args: tuple) -> list | None:
 
 
 def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before: list | None) -> Any:
-    """A direct launcher for this binary (`fast(grid, args)`, with `fast.bind(grid, tail)` for
-    a call site whose launch never changes), False if none works, or None to decide later.
+    """A direct launcher for this binary (`fast(grid, args)`, with `fast.bind(grid, tail, n_args)`
+    for a call site whose launch never changes), False if none works, or None to decide later.
 
     With `before` (the tensor arguments as they were before the launch just made through
     Triton's `kernel[grid](...)`), the first calling convention that reproduces that launch bit
@@ -272,39 +223,45 @@ def _make_fast(binary: Any, args: tuple, constexprs: tuple, grid: tuple, before:
     tensors = [a for a in args if isinstance(a, _Tensor)]
     device = tensors[0].device.index if tensors else torch.cuda.current_device()
     kind = _launcher_kind(binary)
-    conventions = list(_conventions(binary, constexprs, device))
+    conventions = [(name, bind) for name, bind in _conventions(binary, constexprs, device) if bind is not None]
 
     def fast_for(bind: Callable) -> Callable:
         def fast(grid: tuple, args: tuple, bind: Callable = bind) -> None:
-            bind(grid, ())(*map(_pointer, args))
+            bind(grid, (), len(args))(*map(_pointer, args))
         fast.bind = bind
         return fast
 
     if before is None:
         if kind not in _trusted:
             _verify_on_probe(device)
-        index = _trusted.get(kind)
-        return fast_for(conventions[index]) if index is not None and index < len(conventions) else None
+        trusted = _trusted.get(kind, ())
+        return next((fast_for(bind) for name, bind in conventions if name in trusted), None)
     torch.cuda.synchronize()
     expected = [t.clone() for t in tensors]
     pointers = tuple(_pointer(a) for a in args)
-    for index, bind in enumerate(conventions):
+    chosen = None
+    for name, bind in conventions:
         # only what a launch wrote is put back, through `.data`: a copy_ into a tensor bumps its
         # version counter, and autograd refuses a backward whose saved input (token ids) was bumped
         for t, b in zip(tensors, before):
             if not _same(t, b):
                 t.data.copy_(b)
         try:
-            bind(grid, ())(*pointers)
+            bind(grid, (), len(pointers))(*pointers)
             torch.cuda.synchronize()
         except Exception:
             continue
         if all(_same(t, e) for t, e in zip(tensors, expected)):
-            _trusted[kind] = index
-            return fast_for(bind)
-    for t, e in zip(tensors, expected):    # undo whatever the wrong conventions wrote
-        t.data.copy_(e)
-    return False
+            _trusted.setdefault(kind, set()).add(name)
+            chosen = chosen or fast_for(bind)
+            # torch's launcher does not take every binary (scratch memory, hooks): one of
+            # Triton's own is verified too, for those
+            if name != "static":
+                break
+    for t, e in zip(tensors, expected):    # undo whatever a wrong convention wrote
+        if not _same(t, e):
+            t.data.copy_(e)
+    return False if chosen is None else chosen
 
 
 _probed: set[int] = set()
@@ -581,31 +538,39 @@ def launch_reduction(persistent: Any, looped: Any, xnumel: int, rnumel: int, big
 # --------------------------------------------------------------------------------------------
 # call sites: the wrapper's launches after the first
 # --------------------------------------------------------------------------------------------
-# Each kernel call in a generated wrapper gets its own site function.  A site remembers the
-# launch it made last (its sizes, and the direct launcher bound to that launch's grid, size
-# arguments and block sizes); the next call with the same sizes and 16-byte-aligned pointers
-# costs a tuple compare, one data_ptr() per buffer and the C launcher.  The buffers' dtypes are
-# those the wrapper was generated for (its callers are guarded on them), so they need no check.
-# Anything else (new sizes, a misaligned view, the first call, the interpreter) takes the
-# launch helper above, which also compiles.
+# Each kernel call in a generated wrapper gets its own site function.  A site keeps, per shape
+# class (the values of its size and symbol arguments: every int the kernel takes), the direct
+# launcher bound to that class's grid, size arguments and block sizes.  A launch of a known class
+# with 16-byte-aligned pointers costs one dict lookup, one data_ptr() per buffer and the bound
+# launcher: no argument binding, no specialization key, no plan lookup.  That is also the whole of
+# Triton's specialization check: the ints are the key itself (== 1, divisible by 16), the
+# pointers' alignment is tested, and the buffers' dtypes are those the wrapper was generated for
+# (Dynamo's guards hold its callers to them).  Anything else (a new class, a misaligned view,
+# the first call, the interpreter) takes the launch helper above, which also compiles; a new
+# class is bound on its next launch.  Dynamic shapes bring a new class per size: at most
+# _SITE_CLASSES are kept per site.
+_SITE_CLASSES = 64
 
 _SITE_SOURCE = """
-def make(helper, kernels, helper_kwargs):
-    key = go = None
+def make(helper, kernels, helper_kwargs, limit):
+    bound = {{}}
 
     def slow(site_key, pointer_bits, *call):
-        nonlocal key, go
         launched = helper(*kernels, *call, **helper_kwargs)
         if launched is not None and launched[0] and not pointer_bits & 15:
             fast, (_, grid, tail, _, _, _) = launched
-            go, key = fast.bind(grid, tail), site_key
+            if len(bound) >= limit:
+                bound.clear()
+            bound[site_key] = fast.bind(grid, tail, {n_args})
 
     def site({params}):
         {pointers} = {data_ptrs}
-        if key == ({keys}) and not ({bits}) & 15:
+        go = bound.get(({keys}))
+        if go is not None and not ({bits}) & 15:
             go({go_args})
         else:
             slow(({keys}), {bits}, {params})
+    site._tf_bound = bound
     return site
 """
 _site_factories: dict[tuple[int, int, int], Callable] = {}
@@ -615,7 +580,7 @@ def make_site(helper: Callable, kernels: tuple, n_sizes: int, n_buffers: int, n_
               **helper_kwargs: Any) -> Callable:
     """A call site for `helper(*kernels, *sizes, *buffers, *symbols, **helper_kwargs)`
     (launch_pointwise / launch_tiled / launch_reduction), called as
-    `site(*sizes, *buffers, *symbols)`."""
+    `site(*sizes, *buffers, *symbols)`; `site._tf_bound` holds its bound launchers by class."""
     shape = (n_sizes, n_buffers, n_symbols)
     factory = _site_factories.get(shape)
     if factory is None:
@@ -629,8 +594,8 @@ def make_site(helper: Callable, kernels: tuple, n_sizes: int, n_buffers: int, n_
         source = _SITE_SOURCE.format(
             params=", ".join(sizes + buffers + symbols), pointers="".join(p + ", " for p in pointers),
             data_ptrs="".join(f"{b}.data_ptr(), " for b in buffers), keys="".join(k + ", " for k in keys),
-            bits=" | ".join(pointers), go_args=", ".join(pointers + symbols))
+            bits=" | ".join(pointers), go_args=", ".join(pointers + symbols), n_args=n_buffers + n_symbols)
         scope: dict[str, Any] = {}
         exec(compile(source, f"<torchfuse launch site {shape}>", "exec"), scope)
         factory = _site_factories[shape] = scope["make"]
-    return factory(helper, tuple(kernels), helper_kwargs)
+    return factory(helper, tuple(kernels), helper_kwargs, _SITE_CLASSES)
