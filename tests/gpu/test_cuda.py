@@ -387,6 +387,7 @@ def test_static_launcher_matches_triton_launcher(dtype, monkeypatch):
             monkeypatch.setattr(triton_launch, "_trusted", {})
         cf = torch.compile(f, backend="torchfuse", dynamic=True, options={"strict": True})
         for n, width in ((32, 4096), (7, 40000), (1, 40)):
+            torch.manual_seed(n)        # both launchers see the same inputs
             x = torch.randn(n, width, device="cuda", dtype=dtype)
             y = torch.randn(n, width, device="cuda", dtype=dtype)
             for _ in range(3):
