@@ -257,6 +257,8 @@ class WrapperBuilder:
                     L.append(f"    {sym_name} = {expr}")
                 donor = self._in_place_donor(item, pos, last_use, reusable)
                 for m in item.members:
+                    if m.buffer.into is not None:
+                        continue                # writes into a buffer that exists already
                     if m.buffer.name in into_input:
                         L.append(f"    {m.buffer.name} = {into_input[m.buffer.name]}   # the input it updates")
                     elif m.buffer.name in self.register_only:
@@ -280,6 +282,10 @@ class WrapperBuilder:
                 else:
                     call_args = [f"{b}.data_ptr()" for b in bufs] + list(syms)
                     L.append(f"    {item.name}({', '.join(call_args)})")
+                scattered = item.scatter
+                if scattered is not None:      # the scatter updated its `into` buffer in place
+                    L.append(f"    {scattered.name} = {scattered.into}")
+                    self.memory.share(scattered.name, scattered.into)
             elif isinstance(item, AliasView):
                 L.append(f"    {item.name} = {self.view(item.base, item.layout)}")
                 self.memory.share(item.name, item.base)
@@ -383,6 +389,11 @@ class WrapperBuilder:
                 continue
             inp, buf = dst.buffer, src.buffer
             kpos, kernel = kernel_of[buf]
+            if kernel.scatter is not None:
+                if kernel.scatter.into == inp:     # it wrote the input's rows itself (lower_scatter.py)
+                    into[buf] = inp
+                    skipped.add(id(item))
+                continue
             if (buf not in self.stored or buf in self.outputs or buf in into or inp in into.values()
                     or buf in self.program.slices
                     or last_use.get(buf) != cpos or not set(readers.get(buf, ())) <= {kpos, cpos}
@@ -408,7 +419,7 @@ class WrapperBuilder:
         only at the element it writes (a pointwise kernel: each element is read before it is
         overwritten, by the same thread).  Saves an allocation and, on CPU, the page faults of
         touching fresh memory; on GPU the allocator's peak."""
-        if kernel.kind != "pointwise" and not self.reductions_in_place:
+        if (kernel.kind != "pointwise" and not self.reductions_in_place) or kernel.scatter is not None:
             return None
         # the last stored member: every load of the kernel is emitted before its store.  A
         # concatenation's slice takes no storage: in a pointwise kernel the stored member before

@@ -110,12 +110,22 @@ class ComputedBuffer:
     reduction_ranges: tuple[Node, ...] = ()
     origins: list[str] = field(default_factory=list)
     is_output: bool = False
+    # A scatter (lower_scatter.py): `ranges` is the source/index domain, and each point stores
+    # (`scatter` "store") or accumulates ("sum", "prod", "amax", "amin") `body` into buffer
+    # `into` (already holding its initial value) at `scatter_index`, an offset computed from
+    # loaded indices that is negative where nothing may be written (out of range, skipped).
+    # This buffer is then `into` itself, after the scatter.
+    scatter: str | None = None
+    into: str | None = None
+    scatter_index: Node | None = None
 
     @property
     def is_reduction(self) -> bool:
         return self.reduction_op is not None
 
     def store_index(self) -> Node:
+        if self.scatter_index is not None:
+            return self.scatter_index
         return self.layout.index([var(f"i{k}") for k in range(len(self.ranges))])
 
     def var_ranges(self) -> dict[str, Node]:
@@ -129,6 +139,9 @@ class ComputedBuffer:
         if self.is_reduction:
             red = ", ".join(f"r{k} < {to_text(s)}" for k, s in enumerate(self.reduction_ranges))
             return f"{head}\n    = {self.reduction_op}_[{red}]( {to_text(self.body)} )   # from {', '.join(self.origins)}"
+        if self.scatter is not None:
+            return (f"{head}\n    {self.into}[{to_text(self.store_index())}] {self.scatter}= {to_text(self.body)}"
+                    f"   # from {', '.join(self.origins)}")
         return f"{head}\n    = {to_text(self.body)}   # from {', '.join(self.origins)}"
 
 

@@ -60,6 +60,12 @@ class Kernel:
     def origins(self) -> list[str]:
         return [o for m in self.members for o in m.buffer.origins]
 
+    @property
+    def scatter(self) -> ComputedBuffer | None:
+        """The scatter this kernel runs (a kernel of its own: its stores go anywhere in its
+        output, so nothing may read that output in the same kernel), or None."""
+        return next((m.buffer for m in self.members if m.buffer.scatter is not None), None)
+
     def __str__(self) -> str:
         outer = ", ".join(map(to_text, self.outer))
         inner = ", ".join(map(to_text, self.inner))
@@ -339,6 +345,8 @@ def _keeps_contiguity(candidate: Kernel, member: Member) -> str:
 
 def _try_join(kernel: Kernel, step: ComputedBuffer) -> tuple[Kernel | None, str]:
     """`kernel` with `step` fused in (a new Kernel), or None and the reason it cannot be."""
+    if kernel.scatter is not None or step.scatter is not None:
+        return None, "a scatter runs alone: its output is complete only when its kernel ends"
     first = _role(kernel, step)
     reason = first if isinstance(first, str) else ""
     # a reshape placement first; where it fails, the loops in another order (a generator: only
@@ -398,6 +406,15 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
             close()
             items.append(step)
             continue
+        if step.scatter is not None:
+            close()
+            current = Kernel(f"kernel{count}", squeeze(step.ranges), ())
+            count += 1
+            _, member = _place(current, step, _fit("pointwise", current.outer, len(current.outer), step,
+                                                   current.outer, "kernel"))
+            current.members.append(member)
+            close()
+            continue
         if current is None and config.fuse and _join_earlier(items, None, step, config):
             continue
         if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
@@ -430,8 +447,10 @@ def buffer_readers(sched: Schedule, program: LoweredGraph) -> dict[str, set[str]
     for item in sched.items:
         if isinstance(item, Kernel):
             for m in item.members:
-                for ld in loads(m.body):
+                for ld in loads(m.body) + loads(m.store):
                     readers.setdefault(ld.arg, set()).add(item.name)
+                if m.buffer.into is not None:        # updated in place: stored before
+                    readers.setdefault(m.buffer.into, set()).add(item.name)
         elif isinstance(item, FallbackCall):
             def visit(a):
                 if isinstance(a, BufferRef):

@@ -194,7 +194,7 @@ def plan_loops(kernel: Kernel, readers: dict[str, set[str]], *, merge: bool = Tr
     for m in members:
         name = m.buffer.name
         outside = readers.get(name, set()) - {kernel.name}
-        if outside or m.buffer.is_output:
+        if outside or m.buffer.is_output or m.buffer.scatter is not None:
             stored.add(name)
             continue
         for i, s in enumerate(stages):

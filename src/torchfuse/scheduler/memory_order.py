@@ -30,7 +30,9 @@ def _pure(item: Any) -> bool:
     if isinstance(item, AliasView):
         return True
     if isinstance(item, Kernel):
-        return not item.bindings
+        # (a scatter into a graph input writes the caller's tensor: ordered like a mutation)
+        scatter = item.scatter
+        return not item.bindings and not (scatter is not None and scatter.into.startswith("in"))
     if isinstance(item, FallbackCall):
         if item.binds or item.target == "get_attr" or not returns_fresh(item.target):
             return False

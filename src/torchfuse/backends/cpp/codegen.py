@@ -90,6 +90,13 @@ template <typename T> static inline T tf_pow(T a, T b) {
 }
 template <typename T> static inline T tf_lshift(T a, T b) { return (b < 0 || b >= (T)(sizeof(T) * 8)) ? 0 : (T)((typename std::make_unsigned<T>::type)a << b); }
 template <typename T> static inline T tf_rshift(T a, T b) { return (b < 0 || b >= (T)(sizeof(T) * 8)) ? (a < 0 ? -1 : 0) : (T)(a >> b); }
+// A scatter's read-modify-write of one element, safe against other threads updating it (a
+// compare-and-swap loop: also for fp16/bf16 storage, prod, max and min, which have no atomic op)
+template <typename S, typename F> static inline void tf_atomic_update(S* p, F f) {
+  S old; __atomic_load(p, &old, __ATOMIC_RELAXED);
+  S want;
+  do { want = f(old); } while (!__atomic_compare_exchange(p, &old, &want, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+}
 static inline float tf_sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 static inline double tf_sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
@@ -417,7 +424,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     """C++ for one kernel; returns (source, buffer argument names, symbol argument names).
     `int32_buffers`: the buffers every offset of which fits an int32 (see Emitter)."""
     kernel = plan.kernel
-    written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
+    written = [m.buffer.into or m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
     produced = {m.buffer.name for m in plan.members}
     read: list[str] = []
     syms: set[str] = set()
@@ -445,7 +452,10 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
     outer_vars = [f"x{j}" for j in range(len(plan.outer))]
 
-    if kernel.kind == "pointwise":
+    if kernel.scatter is not None:
+        # no simd: two lanes may update one element
+        _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_scatter(em, plan.members[0]), simd_last=False)
+    elif kernel.kind == "pointwise":
         _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_inner_stage(em, plan, plan.members),
                     short_inner=short_inner)
     elif not plan.outer:
@@ -520,6 +530,37 @@ def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: st
 def _emit_store(em: Emitter, plan: LoopPlan, m, value: str) -> None:
     if m.buffer.name in plan.stored:
         em.line(f"{m.buffer.name}[{em.index(m.store)}] = {_store_expr(m.buffer.dtype, value)};")
+
+
+# The dtypes each accumulating scatter mode takes ("store" takes every kernel dtype)
+SCATTER_DTYPES = {mode: set(CTYPE) - {torch.bool} for mode in ("sum", "prod", "amax", "amin")}
+
+
+def _emit_scatter(em: Emitter, m) -> None:
+    """`into[offset] (op)= value` for one point of a scatter's domain, skipped where the offset
+    is negative (an index out of range).  Accumulation is atomic: `omp atomic` where the storage
+    type has an atomic add, else a compare-and-swap loop (fp16/bf16 round each add, as eager's
+    CPU scatter_add does in the tensor's dtype)."""
+    buf, dtype = m.buffer, m.buffer.dtype
+    v = em.value(m.body)
+    t = em.tmp(em.index(m.store), INDEX)
+    ptr, st = buf.into, STORAGE[dtype]
+    em.line(f"if ({t} >= 0) {{")
+    em.push()
+    if buf.scatter == "store":
+        em.line(f"{ptr}[{t}] = {_store_expr(dtype, v)};")
+    elif buf.scatter == "sum" and dtype not in (torch.float16, torch.bfloat16, torch.bool):
+        em.line("#pragma omp atomic")
+        em.line(f"{ptr}[{t}] += static_cast<{st}>({v});")
+    else:
+        ct = CTYPE[dtype]
+        old = "tf_half_to_float(o)" if dtype == torch.float16 else "tf_bf16_to_float(o)" \
+            if dtype == torch.bfloat16 else "o"
+        new = {"sum": f"{old} + {v}", "prod": f"{old} * {v}", "amax": f"tf_max<{ct}>({old}, {v})",
+               "amin": f"tf_min<{ct}>({old}, {v})"}[buf.scatter]
+        em.line(f"tf_atomic_update({ptr} + {t}, [&]({st} o) {{ return {_store_expr(dtype, new)}; }});")
+    em.pop()
+    em.line("}")
 
 
 def _emit_inner_stage(em: Emitter, plan: LoopPlan, members) -> None:

@@ -286,7 +286,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
     """Triton source for one kernel; returns (source, buffer args, symbol args)."""
     kernel = plan.kernel
     produced = {m.buffer.name for m in plan.members}
-    written = [m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
+    written = [m.buffer.into or m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
     read, syms = [], set()
     for m in plan.members:
         for n in list(walk(m.body)) + list(walk(m.store)):
@@ -431,7 +431,7 @@ def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
     input's (y) lets Triton load along y and store along x, both coalesced (it converts the
     register layout through shared memory in between)."""
     n = len(plan.outer)
-    if plan.kernel.kind != "pointwise" or n < 2:
+    if plan.kernel.kind != "pointwise" or n < 2 or plan.kernel.scatter is not None:
         return None
     stored = [m for m in plan.members if m.buffer.name in plan.stored]
     xd = _unit_dim(stored[0].store, n) if stored else None
@@ -478,8 +478,38 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> N
             stride = em.index(plan.outer[k]) if stride is None else f"{stride} * {em.index(plan.outer[k])}"
 
 
+# Triton's atomic read-modify-writes by scatter mode (plain tl.store for "store"), and the
+# dtypes each takes: no atomic multiply, no max/min of fp16/bf16, and a bf16 add only on some
+# GPUs (Triton's interpreter has none), so bf16 sums run in ATen
+SCATTER_ATOMICS = {"sum": "tl.atomic_add", "amax": "tl.atomic_max", "amin": "tl.atomic_min"}
+_ATOMIC_INTS = {torch.int32, torch.int64}
+SCATTER_DTYPES = {"sum": {torch.float32, torch.float64, torch.float16} | _ATOMIC_INTS,
+                  "amax": {torch.float32, torch.float64} | _ATOMIC_INTS,
+                  "amin": {torch.float32, torch.float64} | _ATOMIC_INTS}
+
+
+def _emit_scatter(em: TritonEmitter, m, mask: str) -> None:
+    """`into[offset] (op)= value` per lane, masked off where the offset is negative (an index out
+    of range).  Where lanes collide, atomics serialize; a plain store's winner is unspecified,
+    as in eager."""
+    buf = m.buffer
+    v = em.value(m.body)
+    off = em.tmp(em.index(m.store))
+    ok = em.tmp(f"{mask} & ({off} >= 0)")
+    ptr = f"{buf.into} + tl.where({ok}, {off}, 0) + xzero"
+    # (a constant value, scatter.value's, is a Python literal: given the block's shape first)
+    value = f"(tl.zeros_like(xzero).to({STORE_TL[buf.dtype]}) + {v}).to({STORE_TL[buf.dtype]})"
+    if buf.scatter == "store":
+        em.line(f"tl.store({ptr}, {value}, {ok})")
+    else:
+        em.line(f"{SCATTER_ATOMICS[buf.scatter]}({ptr}, {value}, {ok})")
+
+
 def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
     for m in members:
+        if m.buffer.scatter is not None:
+            _emit_scatter(em, m, mask)
+            continue
         v = em.value(m.body)
         em.bind_local(m.buffer.name, m.store, v)
         if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:

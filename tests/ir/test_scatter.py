@@ -1,0 +1,166 @@
+"""Scatter lowerings (src/torchfuse/ir/lower_scatter.py) against eager, on both backends.
+
+Each op becomes an initialising kernel and a scatter kernel that runs over the source domain,
+with the source's pointwise producer fused into it: the kernel counts below say so, and no op
+may run through ATen.  Sums over colliding indices depend on the order of the adds, so
+floating results are compared with tolerances for reordered sums.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchfuse
+
+BACKENDS = {"cpp": {}, "triton": {"cpu_backend": "triton"}}
+# order-dependent sums: a few roundings of the largest partial sum
+SUM_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (3e-2, 2e-2), torch.bfloat16: (0.25, 5e-2)}
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _idx(shape, high, dtype=torch.int64, low=0):
+    """Random indices with many collisions (more indices than positions)."""
+    return torch.randint(low, high, shape).to(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_scatter_add_fuses_its_source(tf, backend, dtype):
+    x, src = tf.rand((7, 5), dtype), tf.rand((23, 5), dtype)
+    index = _idx((23, 5), 7)
+    atol, rtol = SUM_TOL.get(dtype, (None, None))
+    fn = lambda x, i, s: (torch.scatter_add(x, 0, i, s * 2) + 1,)   # noqa: E731
+    if backend == "triton" and dtype == torch.bfloat16:     # no bf16 atomic add: ATen's scatter_add
+        e = tf.check(fn, x, index, src, options=BACKENDS[backend], allow_fallbacks={"aten.scatter_add.default"})
+        assert [f.op for f in e.fallbacks] == ["aten.scatter_add.default"]
+        return
+    e = tf.check(fn, x, index, src, options=BACKENDS[backend], kernels=3, atol=atol, rtol=rtol)
+    scatter = [k for k in e.kernels if "mul" in k.nodes]
+    assert len(scatter) == 1 and "scatter_add" in scatter[0].nodes, [k.nodes for k in e.kernels]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_index_put_accumulate_and_store(tf, backend, index_dtype):
+    x, v = tf.rand((9, 4, 3)), tf.rand((17, 3))
+    rows = _idx((17,), 9, index_dtype, low=-9)          # negative indices count from the end
+    cols = _idx((17,), 4, index_dtype)
+
+    def fn(x, r, c, v):
+        a = torch.index_put(x, (r, c), v.exp(), accumulate=True)
+        b = torch.index_put(x * 2, (r[:1], c[:1]), v[:1])      # one index: no colliding stores
+        return a, b
+    tf.check(fn, x, rows, cols, v, options=BACKENDS[backend], kernels=3, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_index_put_non_adjacent_and_broadcast(tf, backend):
+    x = tf.rand((5, 6, 7))
+    i0, i2 = _idx((4, 1), 5), _idx((1, 3), 7, low=-7)
+    v = tf.rand((6,))
+    tf.check(lambda x, a, b, v: torch.ops.aten.index_put(x, [a, None, b], v, True) * 1, x, i0, i2, v,
+             options=BACKENDS[backend], kernels=2, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduce", ["sum", "prod", "amax", "amin", "mean"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce(tf, backend, reduce, include_self):
+    x, src = tf.rand((6, 8), low=0.5, high=1.5), tf.rand((6, 19), low=0.5, high=1.5)
+    index = _idx((6, 19), 8)
+    fn = lambda x, i, s: torch.scatter_reduce(x, 1, i, s + 0, reduce, include_self=include_self)  # noqa: E731
+    if backend == "triton" and reduce == "prod":
+        e = tf.check(fn, x, index, src, options=BACKENDS[backend], allow_fallbacks={"aten.scatter_reduce.two"},
+                     atol=1e-4, rtol=1e-4)
+        assert [f.op for f in e.fallbacks] == ["aten.scatter_reduce.two"]     # no atomic multiply
+        return
+    tf.check(fn, x, index, src, options=BACKENDS[backend], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scatter_src_value_and_int_amax(tf, backend):
+    x = tf.rand((5, 9))
+    # a permutation per row: every position is written once, so the stores do not collide
+    index = torch.stack([torch.randperm(9)[:6] for _ in range(5)])
+    src = tf.rand((5, 6))
+    xi, si = tf.rand((5, 16), torch.int32), tf.rand((5, 6), torch.int32)
+    many = torch.randint(0, 16, (5, 12))      # more than the one-hot lowering's 8 per row
+
+    def fn(x, i, s, xi, si, many):
+        return (torch.scatter(x, 1, i, s.sin()), torch.scatter(xi * 1.5, 1, many, 2.5),
+                torch.scatter_reduce(xi, 1, i, si, "amax"), torch.scatter_reduce(xi, 1, many, xi[:, :12], "amin"))
+    tf.check(fn, x, index, src, xi, si, many, options=BACKENDS[backend])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_index_add_and_copy(tf, backend, dtype):
+    x, src = tf.rand((4, 10, 3), dtype), tf.rand((4, 15, 3), dtype)
+    index = _idx((15,), 10)
+    perm = torch.randperm(10)[:7]
+    atol, rtol = SUM_TOL[dtype]
+
+    def fn(x, i, s, p):
+        return torch.index_add(x, 1, i, s * 3, alpha=2), torch.index_copy(x, 1, p, s[:, :7].neg())
+    tf.check(fn, x, index, src, perm, options=BACKENDS[backend], kernels=3, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_indices_write_nothing_outside(tf, backend):
+    """Eager raises; a kernel must at least not write outside the buffer (nor anywhere)."""
+    x = torch.zeros(6)
+    guard = torch.full((64,), 7.0)
+    index = torch.tensor([0, 6, -7, 100, 5, -1000])
+    fn = torchfuse.compile(lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True), options=BACKENDS[backend])
+    out = fn(x, index, torch.ones(6))
+    assert out.tolist() == [1, 0, 0, 0, 0, 1]
+    assert (guard == 7).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_index(tf, backend):
+    x = tf.rand((5, 4))
+    tf.check(lambda x, i, v: (torch.index_put(x, (i,), v, accumulate=True) + 1,
+                              torch.index_add(x, 0, i, v) * 2), x, torch.zeros(0, dtype=torch.int64),
+             tf.rand((0, 4)), options=BACKENDS[backend])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_are_scatters(tf, backend):
+    """x[idx], embedding and gather backward: accumulating scatters, none through ATen."""
+    x = tf.rand((9, 4)).requires_grad_()
+    w = tf.rand((11, 5)).requires_grad_()
+    idx = _idx((20,), 9, low=-9)
+    tok = _idx((3, 7), 11)
+    g = _idx((9, 6), 4)
+
+    def fn(x, w, idx, tok, g):
+        return (x[idx] * 2).sin(), F.embedding(tok, w, padding_idx=2).exp(), torch.gather(x, 1, g).cos()
+    tf.check_grad(fn, x, w, idx, tok, g, options=BACKENDS[backend], atol=1e-4, rtol=1e-4)
+
+
+def test_scatter_add_backward(tf):
+    x = tf.rand((7, 5)).requires_grad_()
+    src = tf.rand((12, 5)).requires_grad_()
+    index = _idx((12, 5), 7)
+    tf.check_grad(lambda x, s, i: torch.scatter_add(x.exp(), 0, i, s * s).tanh(), x, src, index, atol=1e-4, rtol=1e-4)
+
+
+def test_dynamic_sizes(tf):
+    def fn(x, i, v):
+        return torch.index_put(x, (i,), v * 2, accumulate=True).relu()
+    tf.check_dynamic(fn, [(tf.rand((n, 3)), _idx((m,), n), tf.rand((m, 3))) for n, m in ((5, 9), (8, 17), (11, 4))],
+                     atol=1e-4, rtol=1e-4)
+
+
+def test_deterministic_algorithms_run_float_sums_in_aten(tf):
+    x, v = tf.rand((6, 3)), tf.rand((10, 3))
+    i = _idx((10,), 6)
+    torch.use_deterministic_algorithms(True)
+    try:
+        e = tf.check(lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True) * 2, x, i, v,
+                     allow_fallbacks={"aten.index_put.default"})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [f.op for f in e.fallbacks] == ["aten.index_put.default"]
