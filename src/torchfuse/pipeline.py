@@ -280,7 +280,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     debug.write("wrapper.py", wrapper_src)
     if report is not None:
         report.kernels += infos
-        report.fallbacks += [FallbackInfo(n, op, reason, graph_name) for n, op, reason in fallbacks]
+        report.fallbacks += [FallbackInfo(n, op, reason, graph_name) for n, op, reason in fallbacks
+                             if n not in builder.copies_in_place]
         report.refused_fusions += sched.refused
     code = GeneratedCode(backend.name, wrapper_src, builder.globals, sources,
                          {k: v for k, v in kernel_args.items() if k not in aliases}, aliases, sites)

@@ -167,6 +167,7 @@ class WrapperBuilder:
         self.shared_views: dict[str, tuple[str, int]] = {}     # view text -> (name, last step)
         self.views_made: set[str] = set()
         self.slice_bases: set[str] = set()    # concatenation buffers allocated so far (_alloc_slice)
+        self.copies_in_place: set[str] = set()
 
     def const(self, value: Any) -> str:
         if value is None or isinstance(value, (bool, int, float, str)):
@@ -248,6 +249,8 @@ class WrapperBuilder:
                 self.memory.release(n)
         reusable = self._reusable()
         into_input, skipped_copies = self._mutations_in_place(last_use)
+        # input mutations whose copy back is a no-op (the kernel wrote the input): not fallbacks
+        self.copies_in_place = {item.node_name for item in self.items if id(item) in skipped_copies}
         for buf, inp in sorted(into_input.items()):
             L.append(f"    _mutated_{inp} = {inp}   # written in place by the kernel storing {buf}")
         for pos, item in enumerate(self.items):

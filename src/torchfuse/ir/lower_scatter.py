@@ -71,7 +71,7 @@ def _input_in_place(lw: GraphLowering, base: TensorValue) -> str | None:
     ph = node.args[0] if node.args else None
     if not (isinstance(ph, fx.Node) and ph.op == "placeholder" and isinstance(base, StridedValue)):
         return None
-    copies = [u for u in ph.users if u is not node]
+    copies = [u for u in ph.users if u is not node and not _only_copied_over(u)]
     if len(copies) != 1 or copies[0].target is not aten.copy_.default or tuple(copies[0].args) != (ph, node):
         return None
     meta = lw.buffer_meta.get(base.buffer)
@@ -82,6 +82,14 @@ def _input_in_place(lw: GraphLowering, base: TensorValue) -> str | None:
     if not isinstance(out, torch.Tensor) or out.dtype != base.dtype:
         return None
     return base.buffer
+
+
+def _only_copied_over(view: fx.Node) -> bool:
+    """A view of the input that is only the destination of functional copies (`cache[:, :, p] =
+    v` traces as copy(select(cache), v) then select_scatter): a copy's value is its source's, so
+    the view's elements are never read."""
+    return bool(view.users) and all(u.target is aten.copy.default and u.args[0] is view and view not in u.args[1:]
+                                    for u in view.users)
 
 
 def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None, domain: Sequence[Node],
