@@ -164,3 +164,72 @@ def test_deterministic_algorithms_run_float_sums_in_aten(tf):
     finally:
         torch.use_deterministic_algorithms(False)
     assert [f.op for f in e.fallbacks] == ["aten.index_put.default"]
+
+
+# ----------------------------------------------------------------------------------------------
+# programs built of scatters: graph layers and mixture-of-experts routing
+# ----------------------------------------------------------------------------------------------
+
+def _graph(nodes=37, edges=211):
+    return torch.randint(0, nodes, (edges,)), torch.randint(0, nodes, (edges,))
+
+
+def gcn_layer(x, src, dst, w):
+    """Symmetric-normalized graph convolution: degree by scatter, message by gather, sum by
+    index_add, then the normalized self loop."""
+    h = x @ w
+    deg = torch.zeros(x.shape[0]).scatter_add_(0, dst, torch.ones(dst.shape[0])) + 1
+    norm = deg.rsqrt()
+    msg = h[src] * (norm[src] * norm[dst])[:, None]
+    out = torch.zeros_like(h).index_add_(0, dst, msg)
+    return F.relu(out + h / deg[:, None])
+
+
+def gat_layer(x, src, dst, w, a_s, a_d):
+    """Graph attention: per-edge scores, a softmax over each node's incoming edges (scatter max,
+    scatter sum) and the weighted sum of messages."""
+    n = x.shape[0]
+    h = x @ w
+    e = F.leaky_relu((h * a_s).sum(-1)[src] + (h * a_d).sum(-1)[dst], 0.2)
+    m = torch.full((n,), float("-inf")).scatter_reduce(0, dst, e, "amax", include_self=True)
+    p = (e - m[dst]).exp()
+    s = torch.zeros(n).scatter_add(0, dst, p)
+    alpha = p / (s[dst] + 1e-16)
+    return F.elu(torch.zeros_like(h).index_add_(0, dst, h[src] * alpha[:, None]))
+
+
+def moe_block(x, wg, w1, w2):
+    """Top-2 routing: topk and argsort stay in ATen; the gathers by routing index, the expert
+    epilogues and the weighted combine (index_add) are kernels."""
+    probs = (x @ wg).softmax(-1)
+    topv, topi = probs.topk(2, -1)
+    topv = topv / topv.sum(-1, keepdim=True)
+    flat = topi.reshape(-1)
+    order = flat.argsort()
+    tok = order // 2
+    e_sorted = flat[order]
+    h = F.silu(torch.bmm(x[tok].unsqueeze(1), w1[e_sorted])).squeeze(1)
+    y = torch.bmm(h.unsqueeze(1), w2[e_sorted]).squeeze(1) * topv.reshape(-1)[order][:, None]
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gnn_layers_fuse_around_scatters(tf, backend):
+    x, w = tf.rand((37, 16)), tf.rand((16, 16), low=-0.3, high=0.3)
+    src, dst = _graph()
+    # degree (init + scatter), messages (init + gather-multiply-scatter), the epilogue
+    e = tf.check(gcn_layer, x, src, dst, w, options=BACKENDS[backend], kernels=5,
+                 allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
+    assert [f.op for f in e.fallbacks] == ["aten.mm.default"]
+    # one kernel initialises all three outputs next to the score sums; max, sum, messages; elu
+    tf.check(gat_layer, x, src, dst, w, tf.rand((16,)), tf.rand((16,)), options=BACKENDS[backend], kernels=5,
+             allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
+
+
+def test_moe_routing_fuses_around_aten_routing(tf):
+    x = tf.rand((20, 16))
+    e = tf.check(moe_block, x, tf.rand((16, 4)), tf.rand((4, 16, 32), low=-0.3, high=0.3),
+                 tf.rand((4, 32, 16), low=-0.3, high=0.3), kernels=7, atol=1e-4, rtol=1e-4,
+                 allow_fallbacks={"aten.mm.default", "aten.topk.default", "aten.sort.default", "aten.bmm.default"})
+    assert not {f.op for f in e.fallbacks} & {"aten.index_add.default", "aten.index_put.default",
+                                              "aten.scatter_add.default", "aten.index.Tensor"}

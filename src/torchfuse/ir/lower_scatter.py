@@ -131,6 +131,8 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
     origins: list[str] = []      # the fused producers of its value (a message x[src] * w), then the op
     for a in lw.current.all_input_nodes:
         v = lw.env.get(a)
+        if base is not None and a is lw.current.args[0]:
+            continue             # (the initial value's producers are the init kernel's)
         if isinstance(v, ComputedValue):
             origins += [o for o in v.origins if o not in origins]
     origins.append(lw.current.name)
