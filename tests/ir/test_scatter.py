@@ -233,3 +233,20 @@ def test_moe_routing_fuses_around_aten_routing(tf):
                  allow_fallbacks={"aten.mm.default", "aten.topk.default", "aten.sort.default", "aten.bmm.default"})
     assert not {f.op for f in e.fallbacks} & {"aten.index_add.default", "aten.index_put.default",
                                               "aten.scatter_add.default", "aten.index.Tensor"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
+def test_cpp_parallel_scatters(tf, dtype):
+    """The C++ kernels' parallel variants (run on small sizes with parallel_threshold 1): per-thread
+    copies for a sum into a small output, atomics for a sum into a large one and for max."""
+    opts = {"parallel_threshold": 1}
+    x, src = tf.rand((13, 8), dtype), tf.rand((300, 8), dtype)
+    idx = _idx((300,), 13)
+    big, few = tf.rand((4000,), dtype), _idx((50,), 4000)
+    atol, rtol = SUM_TOL.get(dtype, (None, None))
+
+    def fn(x, s, i, big, few, v):
+        return (torch.index_add(x, 0, i, s * 2),                                   # private copies
+                torch.index_put(big, (few,), v, accumulate=True),                  # atomics
+                torch.scatter_reduce(x, 0, i[:, None].expand(-1, 8), s, "amax"))   # compare-and-swap
+    tf.check(fn, x, src, idx, big, few, tf.rand((50,), dtype), options=opts, atol=atol, rtol=rtol)

@@ -26,6 +26,7 @@ STORAGE = {**CTYPE, torch.float16: "uint16_t", torch.bfloat16: "uint16_t"}
 PRELUDE = r"""
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <omp.h>
@@ -459,6 +460,12 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
         em.push()
         _emit_scatter_loops(em, plan, None, atomic=False)
         em.pop()
+        if _privatizes(kernel.scatter):
+            span = em.index(_span(kernel.scatter.layout))
+            em.line(f"}} else if (({span}) <= {SCATTER_PRIVATE_RATIO} * ({total})) {{")
+            em.push()
+            _emit_private_scatter(em, plan, span)
+            em.pop()
         em.line("} else {")
         em.push()
         _emit_scatter_loops(em, plan, "", atomic=True)
@@ -506,7 +513,8 @@ def _interleaves_short_inner(plan: LoopPlan) -> bool:
 
 
 def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: str | None, body, *,
-                simd_last: bool = True, reduction_clause: str = "", short_inner: bool = False) -> None:
+                simd_last: bool = True, reduction_clause: str = "", short_inner: bool = False,
+                pragma: str = "omp parallel for") -> None:
     """Nested loops; the outermost gets `omp parallel for` (collapsed), the innermost `omp simd`
     (with `short_inner`, the one around it: SHORT_INNER_LOOP)."""
     if not sizes:
@@ -525,7 +533,7 @@ def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: st
             collapse = depth if simd_at is None else max(simd_at, 1)     # the loops outside the simd one
             clause = f" collapse({collapse})" if collapse > 1 else ""
             simd = " simd" if simd_at == 0 else ""
-            em.line(f"#pragma omp parallel for{simd}{clause}{reduction_clause} {para}")
+            em.line(f"#pragma {pragma}{simd}{clause}{reduction_clause} {para}")
         elif j == simd_at:
             em.line(f"#pragma omp simd{reduction_clause}")
         em.line(f"for (int64_t {name} = 0; {name} < {em.index(size)}; ++{name}) {{")
@@ -545,18 +553,64 @@ def _emit_store(em: Emitter, plan: LoopPlan, m, value: str) -> None:
 SCATTER_DTYPES = {mode: set(CTYPE) - {torch.bool} for mode in ("sum", "prod", "amax", "amin")}
 
 
-def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: bool) -> None:
+# A parallel scatter-sum into an output at most this many times its domain's size accumulates
+# into a private copy per thread, summed at the end: an atomic add (a locked compare-and-swap,
+# ~10 ns) per element cost more than zeroing and adding the copies (a GCN layer's messages,
+# 6.4M into 640K elements: <measured in scatter_bench>).
+SCATTER_PRIVATE_RATIO = 4
+
+
+def _privatizes(buf) -> bool:
+    return buf.scatter == "sum" and buf.dtype not in (torch.float16, torch.bfloat16, torch.bool)
+
+
+def _span(layout) -> Node:
+    """Elements from a buffer's first to one past its last."""
+    from ..ir.nodes import const as _const
+    span = _const(1)
+    for size, stride in zip(layout.sizes, layout.strides):
+        span = span + (size - 1) * stride
+    return span
+
+
+def _emit_private_scatter(em: Emitter, plan: LoopPlan, span: str) -> None:
+    """Thread 0 adds into the output, every other thread into a zeroed copy of its own, without
+    atomics; after the loop (its barrier) the copies are added into the output, in thread order."""
+    buf = plan.kernel.scatter
+    st = STORAGE[buf.dtype]
+    em.line("const int tf_nt = omp_get_max_threads();")
+    em.line(f"{st}* tf_priv = static_cast<{st}*>(std::malloc(sizeof({st}) * (tf_nt - 1) * ({span})));")
+    em.line("#pragma omp parallel num_threads(tf_nt)")
+    em.line("{")
+    em.push()
+    em.line("const int tf_tid = omp_get_thread_num();")
+    em.line(f"{st}* const tf_out = tf_tid == 0 ? {buf.into} : tf_priv + (tf_tid - 1) * ({span});")
+    em.line(f"if (tf_tid) std::memset(tf_out, 0, sizeof({st}) * ({span}));")
+    em.scatter_ptr = "tf_out"
+    _emit_scatter_loops(em, plan, "schedule(static)", atomic=False, pragma="omp for")
+    em.scatter_ptr = None
+    em.line("#pragma omp for simd schedule(static)")
+    em.line(f"for (int64_t i = 0; i < ({span}); ++i) {{")
+    em.line(f"  for (int t = 1; t < tf_nt; ++t) {buf.into}[i] += tf_priv[(t - 1) * ({span}) + i];")
+    em.line("}")
+    em.pop()
+    em.line("}")
+    em.line("std::free(tf_priv);")
+
+
+def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: bool,
+                        pragma: str = "omp parallel for") -> None:
     m = plan.members[0]
     rows = plan.outer[-1] if len(plan.outer) > 1 else None
     row = _contiguous_row(m, f"x{len(plan.outer) - 1}") if rows is not None else None
     if row is not None:
-        _emit_scatter_contiguous(em, plan, m, para, atomic, *row)
+        _emit_scatter_contiguous(em, plan, m, para, atomic, *row, pragma=pragma)
     elif rows is not None and rows.op == "const" and rows.arg <= SCATTER_ROW_MAX:
-        _emit_scatter_rows(em, plan, m, para, atomic)
+        _emit_scatter_rows(em, plan, m, para, atomic, pragma=pragma)
     else:
         _emit_loops(em, [f"x{j}" for j in range(len(plan.outer))], plan.outer, para,
                     lambda: _emit_update(em, m.buffer, em.value(m.body), em.tmp(em.index(m.store), INDEX), atomic),
-                    simd_last=False)
+                    simd_last=False, pragma=pragma)
 
 
 def _contiguous_row(m, last: str) -> tuple[Node | None, Node] | None:
@@ -584,7 +638,7 @@ def _stride_of_row(off: Node, last: str):
 
 
 def _emit_scatter_contiguous(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool,
-                             cond: Node | None, base: Node) -> None:
+                             cond: Node | None, base: Node, pragma: str = "omp parallel for") -> None:
     """A scatter of contiguous rows (a message per edge, over its features): the row's index,
     check and per-row factors once per row, then a loop along the row, vectorized where it runs
     on one thread (no two elements of a row are the same element)."""
@@ -605,10 +659,11 @@ def _emit_scatter_contiguous(em: Emitter, plan: LoopPlan, m, para: str | None, a
         em.line("}")
         em.pop()
         em.line("}")
-    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False)
+    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False, pragma=pragma)
 
 
-def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool) -> None:
+def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool,
+                       pragma: str = "omp parallel for") -> None:
     """A scatter of rows (a message per edge and feature): per row, the values and offsets are
     computed in a vector loop into local arrays (the row's index and per-row factors are hoisted
     out of it), then applied one by one.  With the update in the same loop, g++ recomputed them
@@ -633,7 +688,7 @@ def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic:
         _emit_update(em, buf, f"{vals}[{last}]", f"{offs}[{last}]", atomic)
         em.pop()
         em.line("}")
-    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False)
+    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False, pragma=pragma)
 
 
 # rows up to this long are staged in local arrays (_emit_scatter_rows)
@@ -646,7 +701,7 @@ def _emit_update(em: Emitter, buf, v: str, t: str, atomic: bool, checked: bool =
     compare-and-swap loop (fp16/bf16 round each add, as eager's CPU scatter_add does in the
     tensor's dtype)."""
     dtype = buf.dtype
-    ptr, st = buf.into, STORAGE[dtype]
+    ptr, st = getattr(em, "scatter_ptr", None) or buf.into, STORAGE[dtype]
     if not checked:
         em.line(f"if ({t} >= 0) {{")
         em.push()
