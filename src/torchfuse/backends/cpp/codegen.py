@@ -622,8 +622,12 @@ def _contiguous_row(m, last: str) -> tuple[Node | None, Node] | None:
     cond, off = (store.args[0], store.args[1]) if store.op == "where" else (None, store)
     if store.op == "where" and not (store.args[2].op == "const" and store.args[2].arg == -1):
         return None
-    inside = [x for part in (cond, off) if part is not None for ld in loads(part) for x in walk(ld.args[0])]
+    inside = [x for part in (cond, off) if part is not None for ld in loads(part) for x in walk(ld)]
     if any(x.op == "var" and x.arg == last for x in inside):
+        return None
+    # the row var only in sums and products (_stride_of reads no var inside a // or %)
+    if any(x.op not in ("add", "mul") and x.args and any(y.op == "var" and y.arg == last for y in walk(x))
+           for x in walk(off)):
         return None
     if cond is not None and any(x.op == "var" and x.arg == last for x in walk(cond)):
         return None
