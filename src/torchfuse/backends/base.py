@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from ..ir.nodes import Node, const
 
@@ -37,6 +37,9 @@ class Features:
     """Loop planning splits the vectorized dim where that makes its accesses affine (loops.plan_loops)."""
     reductions_in_place: bool = False
     """A reduction's output may be written over a dying input by the wrapper (codegen/wrapper.py)."""
+    scatter_dtypes: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
+    """The dtypes each accumulating scatter mode ("sum", "prod", "amax", "amin") can update in
+    its kernels; the others run through ATen (lowering/scatter.py).  Plain stores take any dtype."""
     max_fused_cat_parts: int = 32
     """A concatenation of more parts runs through ATen's cat (lowering/views.py).  A fused cat
     tests every part's range and issues every part's (masked) load for each element: about six

@@ -393,7 +393,7 @@ class WrapperBuilder:
             inp, buf = dst.buffer, src.buffer
             kpos, kernel = kernel_of[buf]
             if kernel.scatter is not None:
-                if kernel.scatter.into == inp:     # it wrote the input's rows itself (lower_scatter.py)
+                if kernel.scatter.into == inp:     # it wrote the input's rows itself (lowering/scatter.py)
                     into[buf] = inp
                     skipped.add(id(item))
                 continue

@@ -110,7 +110,7 @@ class ComputedBuffer:
     reduction_ranges: tuple[Node, ...] = ()
     origins: list[str] = field(default_factory=list)
     is_output: bool = False
-    # A scatter (lower_scatter.py): `ranges` is the source/index domain, and each point stores
+    # A scatter (lowering/scatter.py): `ranges` is the source/index domain, and each point stores
     # (`scatter` "store") or accumulates ("sum", "prod", "amax", "amin") `body` into buffer
     # `into` (already holding its initial value) at `scatter_index`, an offset computed from
     # loaded indices that is negative where nothing may be written (out of range, skipped).

@@ -26,6 +26,7 @@ class CppBackend(Backend):
         # behind: an LSTM's or GRU's stack of hidden states and DenseNet's feature cats ran faster
         # through ATen's cat, which copies the stored parts in one pass, above 4 parts
         max_fused_cat_parts=4,
+        scatter_dtypes=codegen.SCATTER_DTYPES,
     )
 
     def split_params(self, num_threads: int, min_chunk: int = 0) -> SplitParams:

@@ -22,7 +22,7 @@ from . import codegen
 class TritonBackend(Backend):
     name = "triton"
     title = "Triton"
-    features = Features(reductions_in_place=True)
+    features = Features(reductions_in_place=True, scatter_dtypes=codegen.SCATTER_DTYPES)
     variant_suffixes = ("", "_persistent", "_looped", "_tiled")
 
     def split_params(self, num_threads: int, min_chunk: int = 0) -> SplitParams:

@@ -482,10 +482,10 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> N
 # dtypes each takes: no atomic multiply, no max/min of fp16/bf16, and a bf16 add only on some
 # GPUs (Triton's interpreter has none), so bf16 sums run in ATen
 SCATTER_ATOMICS = {"sum": "tl.atomic_add", "amax": "tl.atomic_max", "amin": "tl.atomic_min"}
-_ATOMIC_INTS = {torch.int32, torch.int64}
-SCATTER_DTYPES = {"sum": {torch.float32, torch.float64, torch.float16} | _ATOMIC_INTS,
-                  "amax": {torch.float32, torch.float64} | _ATOMIC_INTS,
-                  "amin": {torch.float32, torch.float64} | _ATOMIC_INTS}
+_ATOMIC_INTS = frozenset({torch.int32, torch.int64})
+SCATTER_DTYPES = {"sum": frozenset({torch.float32, torch.float64, torch.float16}) | _ATOMIC_INTS,
+                  "amax": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS,
+                  "amin": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS}
 
 
 def _emit_scatter(em: TritonEmitter, m, mask: str) -> None:

@@ -20,7 +20,7 @@ In place: when the scatter's `self` is a graph input that the graph then overwri
 result (AOTAutograd's `copy_` epilogue of a mutated input: a static KV cache's
 `cache[:, :, pos] = k`, `cache.index_copy_(2, pos, k)`) and nothing else reads the input, the
 scatter writes the input's rows directly: no initial copy and no copy back (the wrapper drops
-the `copy_`, runtime/wrapper.py `_mutations_in_place`).  slice_scatter and select_scatter of such
+the `copy_`, codegen/wrapper.py `_mutations_in_place`).  slice_scatter and select_scatter of such
 an input become scatters too, writing only the slice.
 """
 from __future__ import annotations
@@ -30,12 +30,12 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from ..lowering.graph import GraphLowering
-from ..lowering.pointwise import bcast_load, register
-from ..lowering.values import meta_val
-from ..lowering.views import _norm, _scatter_value, _select_scatter, _slice_scatter, _wrap_index
-from .buffers import ComputedBuffer, ComputedValue, StridedValue, TensorValue, Unsupported
-from .nodes import INDEX, Node, cast, const, op, var, where
+from ..ir.buffers import ComputedBuffer, ComputedValue, StridedValue, TensorValue, Unsupported
+from ..ir.nodes import INDEX, Node, cast, const, op, var, where
+from .graph import GraphLowering
+from .pointwise import bcast_load, register
+from .values import meta_val
+from .views import _norm, _scatter_value, _select_scatter, _slice_scatter, _wrap_index
 
 aten = torch.ops.aten
 
@@ -45,19 +45,11 @@ def in_bounds(i: Node, size: Node) -> Node:
     return op("and", op("ge", i, const(0), dtype=torch.bool), op("lt", i, size, dtype=torch.bool), dtype=torch.bool)
 
 
-def _backend_dtypes(lw: GraphLowering) -> dict:
-    """The accumulating scatter modes and dtypes of the backend that will run this graph."""
-    if lw.device is not None and lw.device.type == "cpu" and lw.config.cpu_backend == "cpp":
-        from ..backends.cpp.codegen import SCATTER_DTYPES
-    else:
-        from ..backends.triton.codegen import SCATTER_DTYPES
-    return SCATTER_DTYPES
-
-
 def _check_mode(lw: GraphLowering, mode: str, dtype: torch.dtype) -> None:
     if mode == "store":
         return
-    if dtype not in _backend_dtypes(lw).get(mode, ()):
+    modes = lw.backend.features.scatter_dtypes if lw.backend is not None else {}
+    if dtype not in modes.get(mode, ()):
         raise Unsupported(f"no atomic {mode} of {dtype} in this backend")
     if mode in ("sum", "prod") and dtype.is_floating_point and torch.are_deterministic_algorithms_enabled():
         raise Unsupported("deterministic algorithms: a float sum in a scatter depends on the order of its adds")

@@ -1,4 +1,4 @@
-"""Scatter lowerings (src/torchfuse/ir/lower_scatter.py) against eager, on both backends.
+"""Scatter lowerings (src/torchfuse/lowering/scatter.py) against eager, on both backends.
 
 Each op becomes an initialising kernel and a scatter kernel that runs over the source domain,
 with the source's pointwise producer fused into it: the kernel counts below say so, and no op

@@ -1,4 +1,4 @@
-"""Graph inputs updated by a scatter are written in place (ir/lower_scatter.py, wrapper.py).
+"""Graph inputs updated by a scatter are written in place (lowering/scatter.py, codegen/wrapper.py).
 
 A static KV cache's decode step writes one position of the cache (`cache[:, :, pos] = k`,
 `cache.index_copy_(2, pos, k)`, a slice or select assignment): AOTAutograd makes that a
