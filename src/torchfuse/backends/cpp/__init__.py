@@ -11,7 +11,7 @@ from ...config import Config
 from ...scheduler.loops import LoopPlan
 from ...scheduler.split import SplitParams
 from ..base import Backend, Features, GeneratedCode, GraphCode, KernelCode, span
-from . import codegen
+from . import codegen, scatter
 
 
 class CppBackend(Backend):
@@ -26,7 +26,7 @@ class CppBackend(Backend):
         # behind: an LSTM's or GRU's stack of hidden states and DenseNet's feature cats ran faster
         # through ATen's cat, which copies the stored parts in one pass, above 4 parts
         max_fused_cat_parts=4,
-        scatter_dtypes=codegen.SCATTER_DTYPES,
+        scatter_dtypes=scatter.SCATTER_DTYPES,
     )
 
     def split_params(self, num_threads: int, min_chunk: int = 0) -> SplitParams:

@@ -1,0 +1,229 @@
+"""C++ for scatter kernels (lowering/scatter.py): `into[offset(i)] (op)= value(i)` over a source
+domain, where several points may update one element."""
+from __future__ import annotations
+
+import torch
+
+from ...ir.nodes import INDEX, Node, loads, walk
+from ...scheduler.loops import LoopPlan
+from .codegen import CTYPE, STORAGE, Emitter, _emit_loops, _store_expr
+
+
+def emit_scatter_kernel(em: Emitter, plan: LoopPlan, total: str, parallel_threshold: int) -> None:
+    """The body of a scatter kernel (`kernel.scatter`): a serial variant without atomics, a
+    parallel one with per-thread copies (_privatizes) and one with atomic updates."""
+    # One thread (or too little work to share) needs no atomics: a plain read-modify-write
+    # per element runs ~4x faster (a locked compare-and-swap costs ~10 ns here)
+    em.line(f"if (omp_get_max_threads() == 1 || ({total}) < {parallel_threshold}) {{")
+    em.push()
+    _emit_scatter_loops(em, plan, None, atomic=False)
+    em.pop()
+    if _privatizes(plan.kernel.scatter):
+        span = em.index(_span(plan.kernel.scatter.layout))
+        em.line(f"}} else if (({span}) <= {SCATTER_PRIVATE_RATIO} * ({total})) {{")
+        em.push()
+        _emit_private_scatter(em, plan, span)
+        em.pop()
+    em.line("} else {")
+    em.push()
+    _emit_scatter_loops(em, plan, "", atomic=True)
+    em.pop()
+    em.line("}")
+
+
+# The dtypes each accumulating scatter mode takes ("store" takes every kernel dtype)
+SCATTER_DTYPES = {mode: frozenset(CTYPE) - {torch.bool} for mode in ("sum", "prod", "amax", "amin")}
+
+
+# A parallel scatter-sum into an output at most this many times its domain's size accumulates
+# into a private copy per thread, summed at the end: an atomic add (a locked compare-and-swap,
+# ~10 ns an element here: 6.4M adds of a GCN layer's messages took 55-80 ms, 20 ms unlocked) cost
+# more than zeroing and adding the copies.
+SCATTER_PRIVATE_RATIO = 4
+
+
+def _privatizes(buf) -> bool:
+    return buf.scatter == "sum" and buf.dtype not in (torch.float16, torch.bfloat16, torch.bool)
+
+
+def _span(layout) -> Node:
+    """Elements from a buffer's first to one past its last."""
+    from ...ir.nodes import const as _const
+    span = _const(1)
+    for size, stride in zip(layout.sizes, layout.strides):
+        span = span + (size - 1) * stride
+    return span
+
+
+def _emit_private_scatter(em: Emitter, plan: LoopPlan, span: str) -> None:
+    """Thread 0 adds into the output, every other thread into a zeroed copy of its own, without
+    atomics; after the loop (its barrier) the copies are added into the output, in thread order."""
+    buf = plan.kernel.scatter
+    st = STORAGE[buf.dtype]
+    em.line("const int tf_nt = omp_get_max_threads();")
+    em.line(f"{st}* tf_priv = static_cast<{st}*>(std::malloc(sizeof({st}) * (tf_nt - 1) * ({span})));")
+    em.line("#pragma omp parallel num_threads(tf_nt)")
+    em.line("{")
+    em.push()
+    em.line("const int tf_tid = omp_get_thread_num();")
+    em.line(f"{st}* const tf_out = tf_tid == 0 ? {buf.into} : tf_priv + (tf_tid - 1) * ({span});")
+    em.line(f"if (tf_tid) std::memset(tf_out, 0, sizeof({st}) * ({span}));")
+    em.scatter_ptr = "tf_out"
+    _emit_scatter_loops(em, plan, "schedule(static)", atomic=False, pragma="omp for")
+    em.scatter_ptr = None
+    em.line("#pragma omp for simd schedule(static)")
+    em.line(f"for (int64_t i = 0; i < ({span}); ++i) {{")
+    em.line(f"  for (int t = 1; t < tf_nt; ++t) {buf.into}[i] += tf_priv[(t - 1) * ({span}) + i];")
+    em.line("}")
+    em.pop()
+    em.line("}")
+    em.line("std::free(tf_priv);")
+
+
+def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: bool,
+                        pragma: str = "omp parallel for") -> None:
+    m = plan.members[0]
+    rows = plan.outer[-1] if len(plan.outer) > 1 else None
+    row = _contiguous_row(m, f"x{len(plan.outer) - 1}") if rows is not None else None
+    if row is not None:
+        _emit_scatter_contiguous(em, plan, m, para, atomic, *row, pragma=pragma)
+    elif rows is not None and rows.op == "const" and rows.arg <= SCATTER_ROW_MAX:
+        _emit_scatter_rows(em, plan, m, para, atomic, pragma=pragma)
+    else:
+        _emit_loops(em, [f"x{j}" for j in range(len(plan.outer))], plan.outer, para,
+                    lambda: _emit_update(em, m.buffer, em.value(m.body), em.tmp(em.index(m.store), INDEX), atomic),
+                    simd_last=False, pragma=pragma)
+
+
+def _contiguous_row(m, last: str) -> tuple[Node | None, Node] | None:
+    """(condition, offset at `last` = 0) when the scatter's offset is `where(condition, offset,
+    -1)` (or just the offset) with the condition independent of loop `last` and the offset moving
+    by one element along it: each row of the domain updates one contiguous row of the output."""
+    from ...ir.nodes import const as _const, substitute, var as _var
+    store = m.store
+    cond, off = (store.args[0], store.args[1]) if store.op == "where" else (None, store)
+    if store.op == "where" and not (store.args[2].op == "const" and store.args[2].arg == -1):
+        return None
+    inside = [x for part in (cond, off) if part is not None for ld in loads(part) for x in walk(ld)]
+    if any(x.op == "var" and x.arg == last for x in inside):
+        return None
+    # the row var only in sums and products (stride_of reads no var inside a // or %)
+    if any(x.op not in ("add", "mul") and x.args and any(y.op == "var" and y.arg == last for y in walk(x))
+           for x in walk(off)):
+        return None
+    if cond is not None and any(x.op == "var" and x.arg == last for x in walk(cond)):
+        return None
+    if _stride_of_row(off, last) != 1:
+        return None
+    return cond, substitute(off, {_var(last): _const(0)})
+
+
+def _row_invariants(body: Node, last: str) -> list[Node]:
+    """The largest parts of `body` that do not change along loop `last` (an edge's attention
+    weight, exp of its score, read by every feature of its message): g++ left them inside the
+    vector loop, 64 scalar exps per edge."""
+    varies: dict[Node, bool] = {}
+    for n in walk(body):
+        varies[n] = (n.op == "var" and n.arg == last) or any(varies[a] for a in n.args)
+    out: list[Node] = []
+    for n in walk(body):
+        if varies[n]:
+            out += [a for a in n.args if not varies[a] and a.op not in ("const", "var", "sym")
+                    and a.dtype != INDEX and a not in out]
+    return out
+
+
+def _stride_of_row(off: Node, last: str):
+    from ...scheduler.tiling import stride_of
+    return stride_of(off, last)
+
+
+def _emit_scatter_contiguous(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool,
+                             cond: Node | None, base: Node, pragma: str = "omp parallel for") -> None:
+    """A scatter of contiguous rows (a message per edge, over its features): the row's index,
+    check and per-row factors once per row, then a loop along the row, vectorized where it runs
+    on one thread (no two elements of a row are the same element)."""
+    n = len(plan.outer)
+    last, buf = f"x{n - 1}", m.buffer
+
+    def row() -> None:
+        ok = em.value(cond) if cond is not None else "true"
+        start = em.tmp(em.index(base), INDEX)
+        em.line(f"if ({ok}) {{")
+        em.push()
+        for n in _row_invariants(m.body, last):
+            em.value(n)      # evaluated once per row; the loop below reads the temporaries
+        if not atomic:
+            em.line("#pragma omp simd")
+        em.line(f"for (int64_t {last} = 0; {last} < {em.index(plan.outer[-1])}; ++{last}) {{")
+        em.push()
+        _emit_update(em, buf, em.value(m.body), f"{start} + {last}", atomic, checked=True)
+        em.pop()
+        em.line("}")
+        em.pop()
+        em.line("}")
+    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False, pragma=pragma)
+
+
+def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool,
+                       pragma: str = "omp parallel for") -> None:
+    """A scatter of rows (a message per edge and feature): per row, the values and offsets are
+    computed in a vector loop into local arrays (the row's index and per-row factors are hoisted
+    out of it), then applied one by one.  With the update in the same loop, g++ recomputed them
+    per element (an atomic orders memory) and vectorized nothing: 10 ns an element."""
+    n = len(plan.outer)
+    last, size = f"x{n - 1}", plan.outer[-1].arg
+    buf = m.buffer
+    vals, offs = f"vals_{buf.name}", f"offs_{buf.name}"
+
+    def row() -> None:
+        em.line(f"{CTYPE[buf.dtype]} {vals}[{size}]; int64_t {offs}[{size}];")
+        em.line("#pragma omp simd")
+        em.line(f"for (int64_t {last} = 0; {last} < {size}; ++{last}) {{")
+        em.push()
+        v, t = em.value(m.body), em.index(m.store)
+        em.line(f"{vals}[{last}] = {v};")
+        em.line(f"{offs}[{last}] = {t};")
+        em.pop()
+        em.line("}")
+        em.line(f"for (int64_t {last} = 0; {last} < {size}; ++{last}) {{")
+        em.push()
+        _emit_update(em, buf, f"{vals}[{last}]", f"{offs}[{last}]", atomic)
+        em.pop()
+        em.line("}")
+    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False, pragma=pragma)
+
+
+# rows up to this long are staged in local arrays (_emit_scatter_rows)
+SCATTER_ROW_MAX = 1024
+
+
+def _emit_update(em: Emitter, buf, v: str, t: str, atomic: bool, checked: bool = False) -> None:
+    """`into[t] (op)= v`, skipped where the offset is negative (an index out of range).
+    Accumulation is atomic: `omp atomic` where the storage type has an atomic add, else a
+    compare-and-swap loop (fp16/bf16 round each add, as eager's CPU scatter_add does in the
+    tensor's dtype)."""
+    dtype = buf.dtype
+    ptr, st = getattr(em, "scatter_ptr", None) or buf.into, STORAGE[dtype]
+    if not checked:
+        em.line(f"if ({t} >= 0) {{")
+        em.push()
+    if buf.scatter == "store":
+        em.line(f"{ptr}[{t}] = {_store_expr(dtype, v)};")
+    elif buf.scatter == "sum" and dtype not in (torch.float16, torch.bfloat16, torch.bool):
+        if atomic:
+            em.line("#pragma omp atomic")
+        em.line(f"{ptr}[{t}] += static_cast<{st}>({v});")
+    else:
+        ct = CTYPE[dtype]
+        old = "tf_half_to_float(o)" if dtype == torch.float16 else "tf_bf16_to_float(o)" \
+            if dtype == torch.bfloat16 else "o"
+        new = {"sum": f"{old} + {v}", "prod": f"{old} * {v}", "amax": f"tf_max<{ct}>({old}, {v})",
+               "amin": f"tf_min<{ct}>({old}, {v})"}[buf.scatter]
+        if atomic:
+            em.line(f"tf_atomic_update({ptr} + {t}, [&]({st} o) {{ return {_store_expr(dtype, new)}; }});")
+        else:
+            em.line(f"{{ const {st} o = {ptr}[{t}]; {ptr}[{t}] = {_store_expr(dtype, new)}; }}")
+    if not checked:
+        em.pop()
+        em.line("}")
