@@ -10,8 +10,8 @@ error plus a small floor:
     rmse(compiled, reference) <= 1.5 * rmse(eager, reference) + floor * scale
 
 `scale` is the reference's RMS (or a caller's larger one: a gradient that is zero in exact
-arithmetic is judged against its share of all gradients, see `judge_all`), and the floor one
-unit in the last place of fp32 at that scale: it only matters where eager's own error is about
+arithmetic is judged against its share of all gradients, see `judge_all`), and the floor four
+units in the last place of fp32 at that scale: it only matters where eager's own error is about
 0 (an exact op).  Low-precision outputs must also point the way the reference points (cosine
 similarity >= 0.99, or where eager's is lower, an angle within 1.5x eager's), which catches a
 wrong answer that a large eager error would hide.
@@ -36,9 +36,10 @@ import torch.utils._pytree as pytree
 MULTIPLIER = 1.5
 COSINE_MIN = 0.99
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-# floor, relative to the tensor's scale: one unit in the last place of fp32 (an exact op's result
-# one rounding away passes), far below eager's own error in any low-precision run
-FLOOR = torch.finfo(torch.float32).eps
+# floor, relative to the tensor's scale: a few units in the last place of fp32 (a gradient summed
+# over a handful of edges in another order than eager's, whose own error is a tenth of an ulp,
+# is 1.3 ulps off in RMS: GCN's bias), far below eager's own error in any low-precision run
+FLOOR = 4 * torch.finfo(torch.float32).eps
 # a gradient whose RMS is below SHARE_FLOOR of the whole set's (zero in exact arithmetic: an
 # attention key bias) is rounding noise in eager and compiled alike; its floor is VANISHING_ULPS
 # units in the last place of fp32 at the set's RMS
