@@ -331,3 +331,17 @@ def test_bf16_stores_round_to_nearest_even():
     ties = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895e38, float("nan"), 1.2e-30])
     got = torch.compile(lambda t: (t * 1.0).bfloat16(), backend="torchfuse", options={"strict": True, **TRITON})(ties)
     torch.testing.assert_close(got, ties.bfloat16(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_store_of_an_integer_constant():
+    # int64 zeros stored by a pointwise kernel (a MoE router's `empty_like(...).fill_(0)`): the
+    # constant is printed bare, and `0.to(tl.int64)` was a SyntaxError that failed the graph
+    def f(x):
+        return x * 2, torch.empty_like(x, dtype=torch.int64).fill_(0), torch.full_like(x, -3, dtype=torch.int32)
+
+    x = torch.randn(7, 5)
+    torch._dynamo.reset()
+    out = torch.compile(f, backend="torchfuse", options={"strict": True, **TRITON})(x)
+    for got, want in zip(out, f(x)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
