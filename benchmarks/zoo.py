@@ -163,6 +163,10 @@ def precise_reference(model: nn.Module, inputs: tuple, device: str, loss: Callab
         return run(device)
     except torch.cuda.OutOfMemoryError:
         print(f"  the {dtype} reference does not fit on the device: running it on the CPU", flush=True)
+    except RuntimeError as e:   # an op without a kernel for the dtype on the device (CUDA's grouped mm in fp64)
+        if device == "cpu":
+            raise
+        print(f"  the {dtype} reference fails on the device ({_short(e)}): running it on the CPU", flush=True)
     free_memory()
     return run("cpu")
 
@@ -200,6 +204,7 @@ class Judge:
         self.names = ["output"] if row.mode == "infer" else ["loss"] + names
         self.eager: list[torch.Tensor] | None = None
         self._ref: list[torch.Tensor] | None = None
+        self.unavailable: str | None = None   # why the model cannot run in higher precision
 
     def reference(self) -> list[torch.Tensor]:
         if self._ref is None:
@@ -221,6 +226,8 @@ class Judge:
     def __call__(self, backend: str, out: Any) -> None:
         tensors = row_tensors(self.row.mode, out)
         res = self.row.results[backend]
+        if self.unavailable:
+            return
         if backend == "eager":
             self.eager = tensors
             ref = self.reference()
@@ -348,7 +355,12 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
         model.train()
     judge = Judge(row, model, inputs, zm.loss, [n for n, p in model.named_parameters() if p.requires_grad])
     if not compile_only:
-        judge.reference()   # now, so that it is not counted in eager's peak memory
+        try:
+            judge.reference()   # now, so that it is not counted in eager's peak memory
+        except Exception as e:   # the model cannot run in higher precision: time it, judge nothing
+            judge.unavailable = f"no {'fp32' if dtype == 'bf16' else 'fp64'} reference: {_short(e)}"
+            row.notes.append(judge.unavailable)
+            print(f"  !! {judge.unavailable}", flush=True)
     timed: dict[str, Callable] = {}
     host_bound: dict[str, Callable] = {}   # CUDA rows under HOST_BOUND_MS, kept to time again
     with torch.set_grad_enabled(train):
@@ -560,6 +572,8 @@ def summary(rows: list[Row]) -> str:
         f"- accuracy failures: {listing(failures)}",
         f"- backend errors: {listing(errors)}",
         f"- torchfuse graphs that ran eagerly: {listing(eager_runs)}",
+        f"- accuracy not judged (no higher-precision reference): "
+        f"{listing([r.name for r in rows if any(' reference: ' in n for n in r.notes)])}",
         f"- geomean cold-compile ratio torchfuse / Inductor (< 1: torchfuse compiles faster): "
         f"{_num(geomean(compile_ratio), '.3f')} over {len(compile_ratio)} rows",
         f"- cold compile above 0.6x Inductor's: {listing(slow_compiles)}",
@@ -602,7 +616,7 @@ def select_rows(only: str | None, families: str | None, modes: tuple[str, ...], 
         models = [m for m in models if m.family in wanted_f]
     kinds = [("infer", "fp32"), ("infer", "bf16"), ("train", "fp32")]
     rows = [(m, mode, dt) for m in models for mode, dt in kinds
-            if mode in modes and dtype in (dt, "all") and (mode == "infer" or m.trainable)]
+            if mode in modes and dtype in (dt, "all") and (mode == "infer" or m.trainable) and (dt != "bf16" or m.bf16)]
     if shard:
         k, n = (int(v) for v in shard.split("/"))
         if not 1 <= k <= n:

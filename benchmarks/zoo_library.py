@@ -436,6 +436,8 @@ def library_of(name: str) -> str:
 
 
 ALL_NAMES = tuple(_ROWS)
-LIBRARY_MODELS: list[ZooModel] = [ZooModel(name, family, build, trainable, loss)
+# eager itself fails in bf16: RAFT mixes in an fp32 coordinate grid, torchvision's NMS has no bf16 kernel
+_FP32_ONLY = {"tv_raft_small", "tv_fasterrcnn_mobilenet_v3_large_320_fpn"}
+LIBRARY_MODELS: list[ZooModel] = [ZooModel(name, family, build, trainable, loss, bf16=name not in _FP32_ONLY)
                                   for name, (lib, family, build, trainable, loss) in _ROWS.items() if _available(lib)]
 LIBRARY_BY_NAME: dict[str, ZooModel] = {m.name: m for m in LIBRARY_MODELS}
