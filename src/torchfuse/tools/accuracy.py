@@ -168,8 +168,18 @@ def reference_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def to_reference(value: Any, dtype: torch.dtype) -> Any:
-    """`value` (a tensor, module or nested inputs) with its floating-point tensors in `dtype`."""
+    """`value` (a tensor, module or nested inputs) with its floating-point tensors in `dtype`.
+    A module is converted in place (copy it first to keep the original)."""
     if isinstance(value, torch.nn.Module):
+        if dtype == torch.float64:
+            # transformers' mixture-of-experts layers multiply through torch._grouped_mm, which
+            # has no fp64 kernel (CPU or CUDA); the batched form computes the same in fp64
+            for module in value.modules():
+                if callable(getattr(module, "set_experts_implementation", None)):
+                    try:
+                        module.set_experts_implementation("batched_mm")
+                    except Exception:   # a model without experts, or a version without the batched form
+                        pass
         return value.to(dtype)
     return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                            value)
