@@ -35,7 +35,8 @@ STORE_TL = {**TL, torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 def to_storage(value: str, dtype: torch.dtype) -> str:
     """`value` (computed in TL[dtype]) converted to the dtype a buffer stores.  bfloat16 goes
     through `_to_bf16`: the GPU's conversion rounds to nearest even, the interpreter's truncates
-    (a bf16 model's error doubles), so the interpreter's header rounds first (module.HEADER_INTERPRETER)."""
+    (a bf16 model's error doubles), so the interpreter's header rounds first
+    (module.HEADER_INTERPRETER)."""
     if dtype == torch.bfloat16:
         return f"_to_bf16({value})"
     if value.lstrip("-").isdigit():
