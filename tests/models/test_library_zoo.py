@@ -19,7 +19,9 @@ from torchfuse.tools.accuracy import flatten, judge, judge_all, reference_dtype,
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import zoo_library  # noqa: E402
 
-# (model, mode, dtype): a slice across libraries and families that compiles in seconds each
+# (model, mode, dtype): a slice across libraries and families that compiles in seconds each.
+# Not RAFT: it builds its coordinate grid in fp32 whatever the model's dtype, so it has no fp64
+# reference (benchmarks/zoo.py times it and marks its accuracy not judged).
 CASES = [
     ("pyg_gcn", "infer", torch.float32), ("pyg_gcn", "train", torch.float32),
     ("pyg_gat", "train", torch.float32), ("pyg_graphsage", "infer", torch.float32),
@@ -29,7 +31,7 @@ CASES = [
     ("hf_llama", "infer", torch.bfloat16),
     ("timm_vit_small_patch16_224", "train", torch.float32), ("timm_convnext_tiny", "infer", torch.float32),
     ("timm_resnet50", "train", torch.float32), ("timm_mobilevitv2_100", "infer", torch.bfloat16),
-    ("tv_squeezenet1_1", "infer", torch.float32), ("tv_raft_small", "infer", torch.float32),
+    ("tv_squeezenet1_1", "infer", torch.float32),
     ("tv_lraspp_mobilenet_v3_large", "infer", torch.bfloat16),
     ("ta_conformer", "infer", torch.float32),
 ]

@@ -74,14 +74,16 @@ def test_non_finite_shape_and_integer_mismatches_fail() -> None:
 
 
 def test_cosine_catches_a_wrong_low_precision_output() -> None:
-    # an ill-conditioned bf16 output (eager 20% off the reference): a compiled result within 1.5x
-    # of eager's RMSE can still point further away, which the angle (1 - cosine) catches
+    # eager 20% off the reference by scale alone (its direction exact); a compiled result within
+    # 1.5x of eager's RMSE that turns the output instead: the angle (1 - cosine) catches it
     ref = _randn(4000, seed=4)
-    eager = (ref + 0.2 * _randn(4000, seed=5)).bfloat16()
-    wrong = (ref + 0.28 * _randn(4000, seed=6)).bfloat16()
+    eager = (1.2 * ref).bfloat16()
+    wrong = (ref + 0.25 * _randn(4000, seed=6)).bfloat16()
     v = judge(wrong, eager, ref)
     assert v.error <= v.bound and not v.ok and "cosine" in v.reason, str(v)
-    assert judge((ref + 0.21 * _randn(4000, seed=6)).bfloat16(), eager, ref).ok
+    # an ill-conditioned output: eager turned as far, the compiled one 1.4x as far in RMSE passes
+    noisy = (ref + 0.2 * _randn(4000, seed=5)).bfloat16()
+    assert judge((ref + 0.28 * _randn(4000, seed=6)).bfloat16(), noisy, ref).ok
 
 
 def test_judge_all_shared_scale_for_vanishing_gradients() -> None:
