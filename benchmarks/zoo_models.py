@@ -76,6 +76,7 @@ class ZooModel:
     trainable: bool                   # zoo.py runs a training step for it
     loss: Loss                        # scalar training loss from (output, inputs)
     channels_last: bool = False       # image CNN: weights and inputs channels-last at "gpu" size
+    bf16: bool = True                 # runs in bf16 (torchvision's RAFT and detectors do not)
 
     def make(self, size: str, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Inputs]:

@@ -31,6 +31,21 @@ TL = {
 }
 STORE_TL = {**TL, torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 
+
+def to_storage(value: str, dtype: torch.dtype) -> str:
+    """`value` (computed in TL[dtype]) converted to the dtype a buffer stores.  bfloat16 goes
+    through `_to_bf16`: the GPU's conversion rounds to nearest even, the interpreter's truncates
+    (a bf16 model's error doubles), so the interpreter's header rounds first
+    (module.HEADER_INTERPRETER)."""
+    if dtype == torch.bfloat16:
+        return f"_to_bf16({value})"
+    if value.lstrip("-").isdigit():
+        # an index-typed constant (int64 zeros from `empty_like(...).fill_(0)` in a MoE router)
+        # is printed bare, and `0.to(tl.int64)` does not parse
+        return f"tl.full([1], {value}, {STORE_TL[dtype]})"
+    return f"{value}.to({STORE_TL[dtype]})"
+
+
 log = logging.getLogger("torchfuse.triton")
 
 INTERPRETER_LIBDEVICE = {"tanh", "expm1", "log1p", "trunc", "nearbyint", "fmod", "pow"}
@@ -170,7 +185,7 @@ class TritonEmitter(ExprEmitter):
                 # float; an int64 or fp64 rounded once to 8 bits can differ), and as Triton's
                 # interpreter can (from int, bool or fp64 it made NaN or zeros)
                 src = x if TL.get(a[0].dtype) == "tl.float32" else f"{x}.to(tl.float32)"
-                return f"{src}.to({STORE_TL[dt]}).to(tl.float32)"
+                return f"{to_storage(src, dt)}.to(tl.float32)"
             return f"{x}.to({TL[dt]})"
         if o in ("floordiv", "mod") and dt == INDEX:
             return self.index(n)
@@ -513,7 +528,7 @@ def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
         v = em.value(m.body)
         em.bind_local(m.buffer.name, m.store, v)
         if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:
-            em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {v}.to({STORE_TL[m.buffer.dtype]}), {mask})")
+            em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {to_storage(v, m.buffer.dtype)}, {mask})")
 
 
 def _open_row_loop(em: TritonEmitter, plan: LoopPlan) -> None:
@@ -789,7 +804,7 @@ def _finish_reduction(em: TritonEmitter, plan: LoopPlan, m, v: str | None, acc: 
         result = em.tmp(f"{result}.to(tl.int64)")
     elif result is None:
         result = em.tmp(_row_reduce(op, dt, acc, em))
-    value = em.tmp(f"{result}.to({STORE_TL[m.buffer.dtype]}).to({TL[m.buffer.dtype]})")
+    value = em.tmp(f"{to_storage(result, m.buffer.dtype)}.to({TL[m.buffer.dtype]})")
     em.bind_local(m.buffer.name, m.store, value)
     if m.buffer.name in plan.stored and m.buffer.name not in em.unstored:
-        em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {value}.to({STORE_TL[m.buffer.dtype]}), xmask)")
+        em.line(f"tl.store({m.buffer.name} + ({em.index(m.store)}) + xzero, {to_storage(value, m.buffer.dtype)}, xmask)")

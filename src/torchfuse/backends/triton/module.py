@@ -8,12 +8,26 @@ try:
     from triton.language.extra import libdevice
 except ImportError:  # older Triton
     from triton.language.extra.cuda import libdevice
+
+
+@triton.jit
+def _to_bf16(x):
+    return x.to(tl.bfloat16)
 '''
 
 # Triton's interpreter (CPU, used by CI) cannot call libdevice; these stand-ins are built from
 # the core ops it does run.  They are only as accurate as a correctness check needs.
 HEADER_INTERPRETER = '''import triton
 import triton.language as tl
+
+
+@triton.jit
+def _to_bf16(x):
+    # the interpreter truncates float32 -> bfloat16; round the bits to nearest even first (a carry
+    # into the exponent is right: the largest values round to inf), then the truncation is exact
+    b = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    b = (b + (0x7FFF + ((b >> 16) & 1))) & 0xFFFF0000
+    return tl.where(x != x, x, b.to(tl.float32, bitcast=True)).to(tl.bfloat16)
 
 
 @triton.jit

@@ -1,0 +1,187 @@
+"""Accuracy as PyTorch's own benchmark harness judges it: against a reference in higher precision.
+
+A compiled model and eager PyTorch both round; comparing the two with each other cannot tell a
+compiler that rounds differently (a sum in another order) from one that rounds more (an
+intermediate stored in bf16 where eager keeps fp32).  So both are compared with the same model
+in higher precision (fp64 for an fp32 run, fp32 for a bf16 or fp16 run; same weights, same
+inputs), and the compiled run passes when its error is at most `multiplier` (1.5) times eager's
+error plus a small floor:
+
+    rmse(compiled, reference) <= 1.5 * rmse(eager, reference) + floor * scale
+
+`scale` is the reference's RMS (or a caller's larger one: a gradient that is zero in exact
+arithmetic is judged against its share of all gradients, see `judge_all`), and the floor four
+units in the last place of fp32 at that scale: it only matters where eager's own error is about
+0 (an exact op).  Low-precision outputs must also point the way the reference points (cosine
+similarity >= 0.99, or where eager's is lower, an angle 1 - cosine within 1.5^2 times eager's),
+which catches a wrong answer that a large eager error would hide.
+
+Inductor's `torch._dynamo.utils.same(fp64_ref=...)` is the model: it allows 2x (3x in low
+precision) plus tol / 10; this is stricter, with a floor relative to the tensor's scale instead
+of an absolute 1e-5.
+
+    from torchfuse.tools.accuracy import judge_all
+    verdict = judge_all(compiled_outputs, eager_outputs, reference_outputs, names)
+    assert verdict.ok, verdict.reason
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+MULTIPLIER = 1.5
+COSINE_MIN = 0.99
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+# floor, relative to the tensor's scale: a few units in the last place of fp32 (a gradient summed
+# over a handful of edges in another order than eager's, whose own error is a tenth of an ulp,
+# is 1.3 ulps off in RMS: GCN's bias), far below eager's own error in any low-precision run
+FLOOR = 4 * torch.finfo(torch.float32).eps
+# a gradient whose RMS is below SHARE_FLOOR of the whole set's (zero in exact arithmetic: an
+# attention key bias) is rounding noise in eager and compiled alike; its floor is VANISHING_ULPS
+# units in the last place of fp32 at the set's RMS
+SHARE_FLOOR = 1e-2
+VANISHING_ULPS = 16
+
+
+@dataclass
+class Verdict:
+    """One tensor's (or, from judge_all, the worst tensor's) judgement."""
+    ok: bool
+    error: float            # RMSE of the compiled result vs the reference
+    eager_error: float      # RMSE of eager (same precision) vs the reference
+    bound: float            # MULTIPLIER * eager_error + the floor
+    cosine: float | None = None   # low precision: cosine similarity with the reference
+    name: str = ""
+    reason: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """error / bound: above 1 fails."""
+        return self.error / self.bound if self.bound > 0 else (0.0 if self.error == 0 else math.inf)
+
+    def __str__(self) -> str:
+        cos = f", cosine {self.cosine:.5f}" if self.cosine is not None else ""
+        where = f"{self.name}: " if self.name else ""
+        return (f"{where}{'ok' if self.ok else 'FAIL'} RMSE vs reference {self.error:.3e}, eager's {self.eager_error:.3e}"
+                f" (bound {self.bound:.3e}){cos}{'; ' + self.reason if self.reason else ''}")
+
+
+def rmse(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    """Root mean square of the difference, in fp64, over the positions where the reference is finite."""
+    ref = reference.detach().to(actual.device, torch.float64)
+    diff = actual.detach().double() - ref
+    finite = torch.isfinite(ref)
+    if not bool(finite.all()):
+        diff = diff[finite]
+    return diff.pow(2).mean().sqrt().item() if diff.numel() else 0.0
+
+
+def _rms(t: torch.Tensor) -> float:
+    t = t.detach().double()
+    t = t[torch.isfinite(t)]
+    return t.pow(2).mean().sqrt().item() if t.numel() else 0.0
+
+
+def _cosine(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    a, r = actual.detach().double().flatten(), reference.detach().to(actual.device, torch.float64).flatten()
+    keep = torch.isfinite(a) & torch.isfinite(r)
+    return torch.nn.functional.cosine_similarity(a[keep], r[keep], dim=0, eps=1e-12).item()
+
+
+def judge(actual: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, *, scale: float | None = None,
+          name: str = "") -> Verdict:
+    """Whether `actual` (the compiled run) is as close to `reference` (the model in higher
+    precision) as eager's `eager` (same precision as `actual`) is, within MULTIPLIER.  `scale`
+    sets the floor (default: the reference's RMS).  Non-floating tensors must equal eager's."""
+    if actual.shape != eager.shape:
+        return Verdict(False, math.inf, 0.0, 0.0, name=name, reason=f"shape {tuple(actual.shape)}, "
+                                                                      f"eager's {tuple(eager.shape)}")
+    if not actual.is_floating_point() and not actual.is_complex():
+        mismatched = int((actual.detach().cpu() != eager.detach().cpu()).sum())
+        return Verdict(mismatched == 0, float(mismatched), 0.0, 0.0, name=name,
+                       reason=f"{mismatched} of {actual.numel()} values differ from eager's" if mismatched else "")
+    if actual.is_complex():
+        actual, eager, reference = (torch.view_as_real(t.detach()) for t in (actual, eager, reference))
+    error, eager_error = rmse(actual, reference), rmse(eager, reference)
+    scale = _rms(reference) if scale is None else scale
+    bound = MULTIPLIER * eager_error + FLOOR * scale
+    ok, reasons = error <= bound, []
+    if not ok:
+        reasons.append(f"{error / bound:.2f}x the bound" if bound > 0 else "eager is exact")
+    # non-finite values where eager has finite ones: wrong whatever the RMSE says
+    bad = ~torch.isfinite(actual.detach()) & torch.isfinite(eager.detach().to(actual.device))
+    if bool(bad.any()):
+        ok = False
+        reasons.append(f"{int(bad.sum())} non-finite values where eager's are finite")
+    cosine = None
+    if actual.dtype in LOW_PRECISION and actual.numel() > 1:
+        cosine, eager_cosine = _cosine(actual, reference), _cosine(eager, reference)
+        # below 0.99 fails, unless eager's own output is as far off (an ill-conditioned output).
+        # The angle grows as the square of an error across the reference (1 - cos ~ err^2 / 2),
+        # so the RMSE's 1.5x allows 1.5^2 on it; what it adds to the RMSE test is an error that
+        # turns the output where eager's only scales it
+        if _rms(reference) > 0 and cosine < COSINE_MIN and 1 - cosine > MULTIPLIER ** 2 * (1 - eager_cosine):
+            ok = False
+            reasons.append(f"cosine similarity {cosine:.4f} < {COSINE_MIN} (eager's {eager_cosine:.4f})")
+    return Verdict(ok, error, eager_error, bound, cosine, name, "; ".join(reasons))
+
+
+def flatten(value: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output (tuples, lists, dicts, dataclass-like ModelOutputs), in order."""
+    if hasattr(value, "to_tuple") and callable(value.to_tuple):   # transformers' ModelOutput
+        value = value.to_tuple()
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def judge_all(actual: Sequence[torch.Tensor] | Any, eager: Sequence[torch.Tensor] | Any,
+              reference: Sequence[torch.Tensor] | Any, names: Sequence[str] | None = None,
+              shared_scale: bool = False) -> Verdict:
+    """Every tensor judged (see judge); returns the first failing one, else the one nearest its
+    bound.  With `shared_scale` (parameter gradients), a tensor far smaller than the whole set (a
+    bias gradient that is zero in exact arithmetic) takes VANISHING_ULPS times the set's RMS as
+    its scale: its floor then covers noise against noise, which its own scale would not."""
+    acts, eags, refs = flatten(actual), flatten(eager), flatten(reference)
+    if not len(acts) == len(eags) == len(refs):
+        return Verdict(False, math.inf, 0.0, 0.0, reason=f"{len(acts)} tensors, eager {len(eags)}, "
+                                                         f"reference {len(refs)}")
+    names = list(names) if names is not None else [f"output {i}" for i in range(len(acts))]
+    count = sum(r.numel() for r in refs) or 1
+    overall = math.sqrt(sum(_rms(r) ** 2 * r.numel() for r in refs) / count)
+    verdicts = []
+    for a, e, r, n in zip(acts, eags, refs, names):
+        scale = None
+        if shared_scale and _rms(r) < SHARE_FLOOR * overall:
+            scale = VANISHING_ULPS * overall
+        verdicts.append(judge(a, e, r, scale=scale, name=n))
+    if not verdicts:
+        return Verdict(True, 0.0, 0.0, 0.0, reason="nothing to compare")
+    failed = [v for v in verdicts if not v.ok]
+    return failed[0] if failed else max(verdicts, key=lambda v: v.ratio)
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision of the reference for a run in `dtype`: fp64 for fp32 (and fp64), fp32 for
+    bf16 and fp16."""
+    return torch.float32 if dtype in LOW_PRECISION else torch.float64
+
+
+def to_reference(value: Any, dtype: torch.dtype) -> Any:
+    """`value` (a tensor, module or nested inputs) with its floating-point tensors in `dtype`.
+    A module is converted in place (copy it first to keep the original)."""
+    if isinstance(value, torch.nn.Module):
+        if dtype == torch.float64:
+            # transformers' mixture-of-experts layers multiply through torch._grouped_mm, which
+            # has no fp64 kernel (CPU or CUDA); the batched form computes the same in fp64
+            for module in value.modules():
+                if callable(getattr(module, "set_experts_implementation", None)):
+                    try:
+                        module.set_experts_implementation("batched_mm")
+                    except Exception:   # a model without experts, or a version without the batched form
+                        pass
+        return value.to(dtype)
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                           value)

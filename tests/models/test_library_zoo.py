@@ -1,0 +1,83 @@
+"""The libraries' own models (benchmarks/zoo_library.py) through torchfuse at their "tiny" size,
+judged as the zoo judges them (torchfuse.tools.accuracy): every output tensor, or the loss and
+every parameter gradient of a training step, against the model in higher precision (fp64 for
+fp32, fp32 for bf16), within 1.5x eager's error; strict mode, and no graph may run eagerly.
+A library that is not installed (or does not import on this torch) skips its cases."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from torchfuse import counters
+from torchfuse.tools.accuracy import flatten, judge, judge_all, reference_dtype, to_reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import zoo_library  # noqa: E402
+
+# (model, mode, dtype): a slice across libraries and families that compiles in seconds each.
+# Not RAFT: it builds its coordinate grid in fp32 whatever the model's dtype, so it has no fp64
+# reference (benchmarks/zoo.py times it and marks its accuracy not judged).
+CASES = [
+    ("pyg_gcn", "infer", torch.float32), ("pyg_gcn", "train", torch.float32),
+    ("pyg_gat", "train", torch.float32), ("pyg_graphsage", "infer", torch.float32),
+    ("pyg_gin", "infer", torch.float32),
+    ("hf_bart", "infer", torch.float32), ("hf_mixtral", "infer", torch.float32),
+    ("hf_whisper_tiny", "infer", torch.float32), ("hf_qwen2_moe", "train", torch.float32),
+    ("hf_llama", "infer", torch.bfloat16),
+    ("timm_vit_small_patch16_224", "train", torch.float32), ("timm_convnext_tiny", "infer", torch.float32),
+    ("timm_resnet50", "train", torch.float32), ("timm_mobilevitv2_100", "infer", torch.bfloat16),
+    ("tv_squeezenet1_1", "infer", torch.float32),
+    ("tv_lraspp_mobilenet_v3_large", "infer", torch.bfloat16),
+    ("ta_conformer", "infer", torch.float32),
+]
+
+
+def _case_id(case: tuple[str, str, torch.dtype]) -> str:
+    return f"{case[0]}-{case[1]}-{str(case[2]).split('.')[-1]}"
+
+
+def _model(name: str, dtype: torch.dtype) -> tuple[Any, torch.nn.Module, tuple[torch.Tensor, ...]]:
+    lib = zoo_library.library_of(name)
+    if name not in zoo_library.LIBRARY_BY_NAME:
+        pytest.skip(f"{lib} is not available: {zoo_library.missing().get(lib)}")
+    zm = zoo_library.LIBRARY_BY_NAME[name]
+    model, inputs = zm.make("tiny", "cpu", dtype)
+    return zm, model, inputs
+
+
+def _step(zm: Any, model: torch.nn.Module, forward: Any, inputs: tuple) -> list[torch.Tensor]:
+    loss = zm.loss(forward(*inputs), inputs)
+    loss.backward()
+    return [loss.detach()] + [p.grad if p.grad is not None else torch.zeros_like(p)
+                              for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_library_model(case: tuple[str, str, torch.dtype]) -> None:
+    name, mode, dtype = case
+    zm, model, inputs = _model(name, dtype)
+    ref_dtype = reference_dtype(dtype)
+    ref_model, ref_inputs = to_reference(copy.deepcopy(model), ref_dtype), to_reference(inputs, ref_dtype)
+    torch._dynamo.reset()
+    before = dict(counters)
+    if mode == "infer":
+        with torch.no_grad():
+            reference, eager = flatten(ref_model(*ref_inputs)), flatten(model(*inputs))
+            actual = flatten(torch.compile(model, backend="torchfuse", options={"strict": True})(*inputs))
+        verdict = judge_all(actual, eager, reference)
+    else:
+        for m in (model, ref_model):
+            m.train()
+        compiled = copy.deepcopy(model)
+        reference, eager = _step(zm, ref_model, ref_model, ref_inputs), _step(zm, model, model, inputs)
+        actual = _step(zm, compiled, torch.compile(compiled, backend="torchfuse", options={"strict": True}), inputs)
+        loss = judge(actual[0], eager[0], reference[0], name="loss")
+        verdict = loss if not loss.ok else judge_all(actual[1:], eager[1:], reference[1:], shared_scale=True)
+    assert counters["kernels_generated"] > before.get("kernels_generated", 0), "torchfuse generated no kernels"
+    assert counters["eager_fallbacks"] == before.get("eager_fallbacks", 0), "a torchfuse graph ran eagerly"
+    assert verdict.ok, f"{name} {mode}: {verdict}"
