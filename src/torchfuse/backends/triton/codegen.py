@@ -39,10 +39,6 @@ def to_storage(value: str, dtype: torch.dtype) -> str:
     (module.HEADER_INTERPRETER)."""
     if dtype == torch.bfloat16:
         return f"_to_bf16({value})"
-    if value.lstrip("-").isdigit():
-        # an index-typed constant (int64 zeros from `empty_like(...).fill_(0)` in a MoE router)
-        # is printed bare, and `0.to(tl.int64)` does not parse
-        return f"tl.full([1], {value}, {STORE_TL[dtype]})"
     return f"{value}.to({STORE_TL[dtype]})"
 
 
