@@ -232,7 +232,7 @@ def test_warm_cache_logs_what_it_loaded_from_where(tmp_path, monkeypatch, caplog
         f = torch.compile(lambda a: torch.softmax(a * 1.5, -1) + 2, backend="torchfuse")
         torch.testing.assert_close(f(x), torch.softmax(x * 1.5, -1) + 2)
     run()
-    from torchfuse.runtime import cpp_build
+    from torchfuse.backends.cpp import build as cpp_build
     cpp_build.clear_memory_cache()
     with caplog.at_level(logging.DEBUG, logger="torchfuse"):
         run()

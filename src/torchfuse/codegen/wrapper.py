@@ -292,7 +292,7 @@ class WrapperBuilder:
                 else:
                     call_args = [f"{b}.data_ptr()" for b in bufs] + list(syms)
                     if item.name in self.kernel_checks:
-                        from .kernel_errors import raise_cpp_error
+                        from ..runtime.kernel_errors import raise_cpp_error
                         sites = self.const(tuple(tuple(s) for s in self.kernel_checks[item.name]))
                         L.append(f"    if {item.name}({', '.join(call_args)}): "
                                  f"{self.const(raise_cpp_error)}({sites}, _tf_last_error)")
@@ -339,7 +339,7 @@ class WrapperBuilder:
             else:
                 outs.append(self.const(o[1]))
         if self.triton_checks:
-            from .kernel_errors import SENTINEL, check_triton_errors
+            from ..runtime.kernel_errors import SENTINEL, check_triton_errors
             from torch._subclasses.fake_tensor import unset_fake_temporarily
             for slots, sites, sizes, device in self.triton_checks.values():
                 with unset_fake_temporarily():       # (compiles run under AOTAutograd's fake mode)

@@ -95,8 +95,8 @@ def expected(case: Case) -> tuple[Any, BaseException | None]:
 
 
 def run_case(case: Case, mode: str) -> str | None:
-    """None when torchfuse agrees with eager on `case` in `mode` ("cpp", "triton", "lazy"), else
-    what differs."""
+    """None when torchfuse agrees with eager on `case` in `mode` (a CPU backend, "cpp" or
+    "triton", or "lazy"), else what differs."""
     import torchfuse
     want, error = expected(case)
     fn = _fn(case)
@@ -111,7 +111,7 @@ def run_case(case: Case, mode: str) -> str | None:
                 got = torch.as_tensor(got.tolist(), dtype=got.dtype) if got.ndim else got
             else:
                 torch._dynamo.reset()
-                options = {"strict": True, **({"cpu_backend": "triton"} if mode == "triton" else {})}
+                options = {"strict": True, "cpu_backend": mode}      # (a backend's name: cpp, triton)
                 got = torch.compile(fn, backend="torchfuse", options=options, dynamic=False)(*inputs)
     except Exception as e:          # noqa: BLE001
         if error is None:
