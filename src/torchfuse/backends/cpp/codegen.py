@@ -16,6 +16,7 @@ from ...ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
 from ...scheduler.loops import LoopPlan, Stage, rows_contiguous, step_of
 from ...codegen.checks import check_sites, unchecked_index
 from ...codegen.common import ExprEmitter
+from .checks import CHECKS
 
 CTYPE = {
     torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
@@ -98,34 +99,6 @@ template <typename T> static inline T tf_truncdiv(T a, T b) {
   else return b == 0 ? 0 : (b == -1 ? (T)(0 - (typename std::make_unsigned<T>::type)a) : a / b);
 }
 
-// Checks whose failure the kernel reports after its loops (see kernel_source): each check site
-// keeps the largest failing value in `bad` (INT64_MIN: none), a max-reduction g++ vectorizes.
-// An index is wrapped once if negative and, when still out of [0, size), replaced by 0 (never a
-// load past the tensor); the index itself is what gets reported.
-static inline int64_t tf_check_index(int64_t i, int64_t size, int64_t& bad) {
-  int64_t w = i < 0 ? i + size : i;
-  bool out = static_cast<uint64_t>(w) >= static_cast<uint64_t>(size);
-  int64_t seen = out ? (i == INT64_MIN ? INT64_MIN + 1 : i) : INT64_MIN;
-  bad = seen > bad ? seen : bad;
-  return out ? 0 : w;
-}
-static inline int64_t tf_check_index_nonneg(int64_t i, int64_t size, int64_t& bad) {   // (no wrap)
-  bool out = static_cast<uint64_t>(i) >= static_cast<uint64_t>(size);
-  int64_t seen = out ? (i == INT64_MIN ? INT64_MIN + 1 : i) : INT64_MIN;
-  bad = seen > bad ? seen : bad;
-  return out ? 0 : i;
-}
-static inline int64_t tf_clamp_index(int64_t i, int64_t size, int negative) {   // (checked before)
-  int64_t w = negative && i < 0 ? i + size : i;
-  return static_cast<uint64_t>(w) >= static_cast<uint64_t>(size) ? 0 : w;
-}
-template <typename T> static inline T tf_div_check(T b, int64_t& bad) {
-  int64_t seen = b == 0 ? 1 : INT64_MIN;
-  bad = seen > bad ? seen : bad;
-  return b;
-}
-static thread_local int64_t tf_err[3];      // the failed check's site, value and size
-extern "C" void tf_last_error(int64_t* out) { out[0] = tf_err[0]; out[1] = tf_err[1]; out[2] = tf_err[2]; }
 template <typename T> static inline T tf_pow(T a, T b) {
   if constexpr (std::is_floating_point<T>::value) return std::pow(a, b);
   else { if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); T r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
@@ -841,4 +814,4 @@ def _result_cast(dtype: torch.dtype, result: str) -> str:
 
 
 def translation_unit(kernel_sources: list[str]) -> str:
-    return PRELUDE + "\n\n" + "\n\n".join(kernel_sources) + "\n"
+    return PRELUDE + CHECKS + "\n\n" + "\n\n".join(kernel_sources) + "\n"
