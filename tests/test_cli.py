@@ -61,3 +61,31 @@ def test_bench_lists_and_runs_the_checkouts_benchmarks(capsys):
     assert out.returncode == 0 and "--quick" in out.stdout, out.stderr[-2000:]
     bad = _run("bench", "no_such_bench")
     assert bad.returncode != 0 and "no benchmark 'no_such_bench'" in bad.stderr
+
+
+def test_cache_clear_without_a_terminal(tmp_path):
+    """No one to confirm on (a script, CI): a clear message and nothing removed, no EOFError
+    traceback; -y clears without asking."""
+    (tmp_path / "cpp").mkdir()
+    (tmp_path / "cpp" / "k.so").write_bytes(b"x" * 64)
+    env = dict(os.environ, TORCHFUSE_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "torchfuse", "cache", "clear"], capture_output=True, text=True,
+                         env=env, stdin=subprocess.DEVNULL, timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "--yes" in out.stderr, out.stderr
+    assert (tmp_path / "cpp" / "k.so").exists()
+    out = subprocess.run([sys.executable, "-m", "torchfuse", "cache", "clear", "-y"], capture_output=True,
+                         text=True, env=env, stdin=subprocess.DEVNULL, timeout=300)
+    assert out.returncode == 0 and not (tmp_path / "cpp").exists(), out.stderr
+
+
+def test_explain_inference(tmp_path):
+    (tmp_path / "my_model.py").write_text(
+        "import torch\n"
+        "def make():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))\n"
+        "    return m, (torch.randn(4, 8),)\n")
+    out = _run("explain", "my_model:make", "--inference", cache=tmp_path / "cache", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "inference" in out.stdout and "backward" not in out.stdout, out.stdout
+    train = _run("explain", "my_model:make", cache=tmp_path / "cache", cwd=tmp_path)
+    assert "backward" in train.stdout, train.stdout

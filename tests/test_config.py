@@ -105,3 +105,23 @@ def test_help_lists_every_option_with_its_meaning():
         assert at >= 0, f.name
         meaning = doc[at:].split("\n")[2] if len(doc[at:].split("\n")) > 2 else ""
         assert meaning.startswith("    ") and meaning.strip(), f"{f.name} has no description in help(Config)"
+
+
+def test_bad_options_rejected_before_the_first_call():
+    """torchfuse.compile (also as a decorator) and torchfuse.backend check options when called,
+    as Inductor does at torch.compile(), not at the first call of the compiled function."""
+    import pytest
+    import torch
+
+    import torchfuse
+    with pytest.raises(ValueError, match="unknown option"):
+        torchfuse.compile(options={"fusee": True})             # the decorator form
+    with pytest.raises(ValueError, match="unknown option"):
+        torch.compile(lambda x: x + 1, backend=torchfuse.backend(options={"fusee": True}))
+    with pytest.raises(TypeError, match="dict of option names"):
+        torchfuse.compile(lambda x: x + 1, options=["fuse"])
+    with pytest.raises(TypeError, match="dict of option names"):
+        torchfuse.backend(options=["fuse"])
+    f = torch.compile(lambda x: x * 2 + 1, backend=torchfuse.backend(options={"fuse": True}))
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(f(x), x * 2 + 1)

@@ -39,3 +39,23 @@ def test_progress_line_only_on_a_terminal(monkeypatch, stream, options, shown):
     else:
         assert text == ""
     assert torchfuse.counters.on_stage is None       # the scope ended
+
+
+def test_short_compile_draws_nothing(monkeypatch):
+    """A compile shorter than DELAY_S leaves stderr as it was (it drew a line at once that stayed)."""
+    out = _Terminal()
+    monkeypatch.setattr(progress, "_stream", lambda: out)
+    monkeypatch.setattr(progress, "DELAY_S", 60.0)
+    _compile_something()
+    assert out.getvalue() == ""
+
+
+def test_line_is_erased_at_the_end(monkeypatch):
+    out = _Terminal()
+    monkeypatch.setattr(progress, "_stream", lambda: out)
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    _compile_something()
+    text = out.getvalue()
+    assert "torchfuse compile" in text
+    # what the terminal shows last: the line after the last carriage return, blanked
+    assert text.rsplit("\r", 1)[-1].strip() == "", repr(text[-200:])

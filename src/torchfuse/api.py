@@ -8,19 +8,30 @@ import torch
 from .config import Config
 from .report import Explanation, FallbackInfo, KernelInfo
 
-__all__ = ["compile", "explain", "Explanation", "KernelInfo", "FallbackInfo"]
+__all__ = ["compile", "backend", "explain", "Explanation", "KernelInfo", "FallbackInfo"]
 
 
 def compile(fn: Callable | None = None, *, mode: str | None = None, dynamic: bool | None = None,
             fullgraph: bool = False, options: Mapping[str, Any] | None = None) -> Callable:
-    """`torch.compile(fn, backend="torchfuse")` with torchfuse's defaults; usable as a decorator."""
+    """`torch.compile(fn, backend="torchfuse")` with torchfuse's defaults; usable as a decorator.
+    Bad options raise here, not at the first call."""
     from .frontend.dynamo import TorchfuseBackend
+    config = Config.from_options(options, mode=mode)       # (checked now, decorator or not)
 
     def wrap(f: Callable) -> Callable:
-        backend = TorchfuseBackend(Config.from_options(options, mode=mode))
-        return torch.compile(f, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+        return torch.compile(f, backend=TorchfuseBackend(config), dynamic=dynamic, fullgraph=fullgraph)
 
     return wrap if fn is None else wrap(fn)
+
+
+def backend(*, mode: str | None = None, options: Mapping[str, Any] | None = None) -> Callable:
+    """A torchfuse backend with these options, checked now: `torch.compile(model,
+    backend=torchfuse.backend(options={...}))`.  (`torch.compile(model, backend="torchfuse",
+    options={...})` cannot check them before the first call: torch hands a backend named by a
+    string its options only when it compiles a graph, and wraps what the backend raises then in
+    BackendCompilerFailed.)"""
+    from .frontend.dynamo import TorchfuseBackend
+    return TorchfuseBackend(Config.from_options(options, mode=mode))
 
 
 def explain(fn: Callable, *args: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> Explanation:

@@ -6,6 +6,7 @@ torchfuse makes of a model.
     torchfuse cache clear [--yes]          # remove it (kernels, Triton modules, compiled graphs)
     torchfuse explain pkg.module:factory   # factory() -> (model or function, args): the report
                   [--html report.html]     # also as an HTML page
+                  [--inference]            # under torch.no_grad(): the inference graphs
     torchfuse bench [NAME [ARGS...]]       # list / run the benchmarks (source checkout)
 """
 from __future__ import annotations
@@ -85,7 +86,15 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"{root}: nothing to clear")
         return 0
     if not args.yes:
-        answer = input(f"remove {', '.join(map(str, present))}? [y/N] ")
+        question = f"remove {', '.join(map(str, present))}? [y/N] "
+        try:
+            if not sys.stdin.isatty():
+                raise EOFError
+            answer = input(question)
+        except (EOFError, OSError, ValueError):     # no one to ask: a script, CI, a closed stdin
+            print(f"torchfuse cache clear: {root} was left as it is: stdin is not a terminal to confirm "
+                  f"on; run `torchfuse cache clear --yes` to clear without asking", file=sys.stderr)
+            return 1
         if answer.strip().lower() not in ("y", "yes"):
             return 1
     for folder in present:
@@ -105,7 +114,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
     factory = getattr(importlib.import_module(module_name), attr)
     fn, inputs = factory()
     options = json.loads(args.options) if args.options else None
-    report = torchfuse.explain(fn, *inputs, options=options)
+    import contextlib
+
+    import torch
+    # (--inference: the graphs an inference run compiles, as under torch.no_grad())
+    with torch.no_grad() if args.inference else contextlib.nullcontext():
+        report = torchfuse.explain(fn, *inputs, options=options)
     print(report)
     if args.html:
         print(f"\nHTML report: {report.save_html(args.html)}")
@@ -141,12 +155,14 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="versions, compiler, CPU, GPUs and the cache folder").set_defaults(run=cmd_env)
     cache = sub.add_parser("cache", help="show or clear the on-disk cache")
     cache.add_argument("action", choices=("show", "clear"))
-    cache.add_argument("--yes", action="store_true", help="clear without asking")
+    cache.add_argument("-y", "--yes", action="store_true", help="clear without asking")
     cache.set_defaults(run=cmd_cache)
     explain = sub.add_parser("explain", help="compile a model and print what was fused, what fell back and why")
     explain.add_argument("target", help="module:factory, where factory() returns (model or function, args)")
     explain.add_argument("--options", help='torchfuse options as JSON, e.g. \'{"fuse": false}\'')
     explain.add_argument("--html", metavar="FILE", help="also write the report as an HTML page")
+    explain.add_argument("--inference", "--no-grad", dest="inference", action="store_true",
+                         help="run the model under torch.no_grad(): the inference graphs, not training's")
     explain.set_defaults(run=cmd_explain)
     bench = sub.add_parser("bench", help="run a benchmark from the source checkout (no name: list them)")
     bench.add_argument("name", nargs="?", help="e.g. zoo, cpu_bench, lazy_bench, compile_bench")

@@ -174,6 +174,9 @@ class Config:
                  "max-autotune-no-cudagraphs": {"autotune": True}}
         if mode not in modes:
             raise ValueError(f"torchfuse: unknown mode {mode!r}; valid modes are {sorted(m for m in modes if m)}")
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"torchfuse: options must be a dict of option names to values, e.g. "
+                            f"options={{'fuse': True}}; got {type(options).__name__} {options!r}")
         merged = {**env, **modes[mode], **dict(options or {})}
         known = {f.name: f for f in dataclasses.fields(Config)}
         unknown = sorted(set(merged) - set(known))

@@ -229,6 +229,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     stored = set().union(*(p.stored for p in plans)) if plans else set()
     kernel_args: dict[str, tuple[list[str], list[str]]] = {}
     launch_calls: dict[str, str] = {}
+    kernel_checks: dict[str, list] = {}      # kernel -> its run-time check sites (codegen/checks.py)
+    error_slots: dict[str, tuple] = {}       # kernel -> where its failed checks are stored (Triton)
     site_calls: dict[str, str] = {}
     sites: dict[str, tuple] = {}
     sources, infos = [], []
@@ -251,6 +253,10 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                 sites[kernel.name], site_calls[kernel.name] = code.site, code.site_call
             if code.launch_call is not None:
                 launch_calls[kernel.name] = code.launch_call
+            if code.checks and code.error_slots is None:
+                kernel_checks[kernel.name] = code.checks
+            if code.error_slots is not None:
+                error_slots[kernel.name] = code.error_slots
             # Identical kernels (every layer of a transformer) are compiled once: compare sources
             # with buffer names replaced by their argument positions.
             canon = _canonical(src, kernel.name, bufs)
@@ -270,7 +276,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
         return EagerFallback(gm, graph_name, "codegen", str(e))
     counters.bump("kernels_generated", len(sources))
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls, register_only,
-                             reductions_in_place=backend.features.reductions_in_place)
+                             reductions_in_place=backend.features.reductions_in_place,
+                             kernel_checks=kernel_checks, triton_checks=error_slots)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
     debug.write("memory.txt", builder.memory.describe() + "\n")
@@ -284,7 +291,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                              if n not in builder.copies_in_place]
         report.refused_fusions += sched.refused
     code = GeneratedCode(backend.name, wrapper_src, builder.globals, sources,
-                         {k: v for k, v in kernel_args.items() if k not in aliases}, aliases, sites)
+                         {k: v for k, v in kernel_args.items() if k not in aliases}, aliases, sites,
+                         {k: v for k, v in kernel_checks.items() if k not in aliases})
     launches = [(launch_calls[k.name], k.bindings) for k in sched.kernels if k.name in launch_calls]
     try:
         call = build_and_link(code, config, debug, lambda kernels: backend.precompile(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
 from typing import Any, Iterator
 
 from .config import Config
@@ -24,7 +25,8 @@ DELAY_S = 2.0
 
 class _Open(threading.local):
     def __init__(self) -> None:
-        self.bar: Any = None
+        self.bar: Any = None            # the tqdm line, once drawn
+        self.scope: Any = None          # the open scope: (stream, start time)
         self.graphs_at_start = 0
 
 
@@ -38,7 +40,7 @@ def _stream() -> Any:
 @contextlib.contextmanager
 def compiling(config: Config) -> Iterator[None]:
     """Show progress for the compile inside this scope (see the module docstring)."""
-    if _open.bar is not None or not config.progress:
+    if _open.scope is not None or not config.progress:
         yield
         return
     stream = _stream()
@@ -46,29 +48,36 @@ def compiling(config: Config) -> Iterator[None]:
         interactive = stream.isatty()
     except (AttributeError, ValueError):    # a closed or replaced stream
         interactive = False
-    bar = None
-    if interactive:
-        try:
-            from tqdm import tqdm
-            bar = tqdm(desc="torchfuse compile", file=stream, delay=DELAY_S, leave=False, total=None,
-                       bar_format="{desc}: {elapsed}{postfix}")
-        except ImportError:                 # tqdm is a dependency; without it, no progress line
-            bar = None
-    if bar is None:
+    if not interactive:
         yield
         return
-    _open.bar, _open.graphs_at_start = bar, counters["graphs_compiled"]
+    # The line is made (drawn) only at a stage that starts DELAY_S into the compile: tqdm's own
+    # `delay` is not honoured by a refreshing set_postfix_str, and its close() erases only a
+    # line drawn through that delay, so a 0.3 s compile left a line behind.
+    _open.scope, _open.graphs_at_start = (stream, time.perf_counter()), counters["graphs_compiled"]
     counters.on_stage = _stage
     try:
         yield
     finally:
         counters.on_stage = None
-        _open.bar = None
-        bar.close()
+        bar, _open.bar, _open.scope = _open.bar, None, None
+        if bar is not None:
+            bar.close()                     # (leave=False: erases the line)
 
 
 def _stage(stage: str) -> None:
-    bar = _open.bar
-    if bar is not None:
-        graphs = counters["graphs_compiled"] - _open.graphs_at_start
-        bar.set_postfix_str(f"graph {graphs}, {stage}", refresh=True)
+    if _open.scope is None:
+        return
+    stream, start = _open.scope
+    if _open.bar is None:
+        if time.perf_counter() - start < DELAY_S:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError:                 # tqdm is a dependency; without it, no progress line
+            return
+        _open.bar = tqdm(desc="torchfuse compile", file=stream, leave=False, total=None, initial=0,
+                         bar_format="{desc}: {elapsed}{postfix}")
+        _open.bar.start_t = start          # (elapsed counts from the compile's start)
+    graphs = counters["graphs_compiled"] - _open.graphs_at_start
+    _open.bar.set_postfix_str(f"graph {graphs}, {stage}", refresh=True)

@@ -678,3 +678,16 @@ def test_captured_scalar_output():
     expected = f(x)
     assert out[0] == pytest.approx(expected[0], rel=1e-5)
     assert_close(out[1], expected[1])
+
+
+def test_reduce_overhead_cpu_warning_grammar(caplog):
+    """A CPU graph under reduce-overhead runs without CUDA graphs, with one log line: "an
+    inference graph" (it said "a inference graph")."""
+    import logging
+    torch._dynamo.reset()
+    x = torch.randn(6, 5)
+    with caplog.at_level(logging.WARNING, logger="torchfuse"), torch.no_grad():
+        f = torch.compile(lambda a: torch.relu(a * 1.5) + 1, backend="torchfuse", mode="reduce-overhead")
+        torch.testing.assert_close(f(x), torch.relu(x * 1.5) + 1)
+    text = caplog.text
+    assert "an inference graph runs without CUDA graphs" in text and "a inference" not in text, text

@@ -216,3 +216,26 @@ def test_portable_cache_artifacts_carry_graphs_and_kernels(tmp_path):
     blob.write_bytes(data.replace(b"\x7fELF", b"\x7fELG", 1))
     cold = _run(tmp_path / "c", LOAD_ARTIFACTS=str(blob))
     assert cold["hits"] == 0 and cold["builds"] > 0, cold
+
+
+def test_warm_cache_logs_what_it_loaded_from_where(tmp_path, monkeypatch, caplog):
+    """With DEBUG logging, a graph-cache hit says what was loaded and from which folder (it said
+    nothing), and so does the library it links."""
+    import logging
+
+    import torch
+    monkeypatch.setenv("TORCHFUSE_CACHE_DIR", str(tmp_path))
+    x = torch.randn(9, 6)
+
+    def run():
+        torch._dynamo.reset()
+        f = torch.compile(lambda a: torch.softmax(a * 1.5, -1) + 2, backend="torchfuse")
+        torch.testing.assert_close(f(x), torch.softmax(x * 1.5, -1) + 2)
+    run()
+    from torchfuse.backends.cpp import build as cpp_build
+    cpp_build.clear_memory_cache()
+    with caplog.at_level(logging.DEBUG, logger="torchfuse"):
+        run()
+    text = caplog.text
+    assert "graph cache hit" in text and str(tmp_path / "graphs") in text, text[-3000:]
+    assert "C++ library loaded from the disk cache" in text and str(tmp_path / "cpp") in text, text[-3000:]

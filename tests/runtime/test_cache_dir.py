@@ -150,3 +150,19 @@ def test_two_processes_evicting_one_cache(tmp_path):
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and "ok" in out, err[-3000:]
+
+
+def test_world_writable_cache_warns_once_for_all_its_folders(tmp_path):
+    """Libraries, Triton modules and graphs each have a sub-folder: one warning names the
+    directory, not one per sub-folder (the graph cache on made two)."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    x = torch.randn(7, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch._dynamo.reset()
+        f = torch.compile(lambda a: torch.softmax(a * 3, -1), backend="torchfuse", options={"cache_dir": root})
+        torch.testing.assert_close(f(x), torch.softmax(x * 3, -1))
+    said = [str(w.message) for w in caught if "not loading compiled code" in str(w.message)]
+    assert len(said) == 1 and str(root) in said[0], said

@@ -63,6 +63,12 @@ class KernelCode:
     """The same launch through the backend's launch helper, as `precompile` plans it."""
     register_only: set[str] = dataclasses.field(default_factory=set)
     """Buffers this kernel keeps in registers: no memory is allocated for them."""
+    checks: list = dataclasses.field(default_factory=list)
+    """Its run-time check sites (codegen/checks.py), (kind, what) each: a C++ kernel with any
+    returns non-zero when one failed."""
+    error_slots: tuple | None = None
+    """Where a Triton kernel's failed checks are stored: (the wrapper's global, sites, size
+    expressions, device); the wrapper reads them after the graph."""
 
 
 @dataclasses.dataclass
@@ -78,6 +84,8 @@ class GeneratedCode:
     kernel_args: dict[str, tuple[list[str], list[str]]]
     aliases: dict[str, str]
     sites: dict[str, tuple]
+    checks: dict[str, list] = dataclasses.field(default_factory=dict)
+    """The kernels that return a check's failure (C++), with their check sites."""
 
 
 @dataclasses.dataclass

@@ -143,8 +143,15 @@ class WrapperBuilder:
     def __init__(self, program: LoweredGraph, items: list, kernel_args: dict[str, tuple[list[str], list[str]]],
                  stored: set[str], kernel_calls: dict[str, str] | None = None,
                  register_only: set[str] | frozenset[str] = frozenset(),
-                 reductions_in_place: bool = False):
+                 reductions_in_place: bool = False, kernel_checks: dict[str, list] | None = None,
+                 triton_checks: dict[str, tuple] | None = None):
         self.program = program
+        # C++ kernels that check values at run time (codegen/checks.py): the call's non-zero
+        # result raises eager's error
+        self.kernel_checks = kernel_checks or {}
+        # Triton kernels' error slots (name, sites, size expressions, device), read once the
+        # graph's kernels have run
+        self.triton_checks = triton_checks or {}
         self.kernel_args = kernel_args
         self.items = _input_copies_last(sink_steps(items, kernel_args, lambda b: meta_bytes(program.buffer_meta.get(b))), kernel_args)
         self.outputs = {o for o in program.outputs if isinstance(o, str)}
@@ -284,7 +291,13 @@ class WrapperBuilder:
                     L.append(f"    {self.kernel_calls[item.name]}")
                 else:
                     call_args = [f"{b}.data_ptr()" for b in bufs] + list(syms)
-                    L.append(f"    {item.name}({', '.join(call_args)})")
+                    if item.name in self.kernel_checks:
+                        from ..runtime.kernel_errors import raise_cpp_error
+                        sites = self.const(tuple(tuple(s) for s in self.kernel_checks[item.name]))
+                        L.append(f"    if {item.name}({', '.join(call_args)}): "
+                                 f"{self.const(raise_cpp_error)}({sites}, _tf_last_error)")
+                    else:
+                        L.append(f"    {item.name}({', '.join(call_args)})")
                 scattered = item.scatter
                 if scattered is not None:      # the scatter updated its `into` buffer in place
                     L.append(f"    {scattered.name} = {scattered.into}")
@@ -325,6 +338,14 @@ class WrapperBuilder:
                 outs.append(py_index(o[1]))
             else:
                 outs.append(self.const(o[1]))
+        if self.triton_checks:
+            from ..runtime.kernel_errors import SENTINEL, check_triton_errors
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+            for slots, sites, sizes, device in self.triton_checks.values():
+                with unset_fake_temporarily():       # (compiles run under AOTAutograd's fake mode)
+                    self.globals[slots] = torch.full((len(sites),), SENTINEL, dtype=torch.int64, device=device)
+                L.append(f"    {self.const(check_triton_errors)}({slots}, {self.const(sites)}, "
+                         f"({''.join(x + ', ' for x in sizes)}))")
         L.append(f"    return ({''.join(x + ', ' for x in outs)})")
         return self._with_profiled_variant()
 

@@ -101,6 +101,17 @@ def _base_table() -> dict:
         for op in [op for op in _table if op.overloadpacket in (aten.var, aten.var_mean, aten.std, aten.std_mean)
                    and "keepdim" in (a.name for a in op._schema.arguments)]:
             _table[op] = _keepdim_by_unsqueeze(op, _table[op])
+        stock_embedding = _table[aten.embedding.default]
+
+        def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+            # The stock decomposition reads ids of 2+ dims as weight[indices], advanced indexing,
+            # which counts a negative id from the end; eager's embedding rejects it (IndexError),
+            # as index_select does, which the stock one uses for 1-D ids.
+            if indices.ndim < 2 or weight.ndim != 2:
+                return stock_embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
+            rows = weight.index_select(0, indices.reshape(-1))
+            return rows.view(*indices.shape, weight.shape[1])
+        _table[aten.embedding.default] = embedding
         from .upsample_training import interpolate as upsample_forward
         _table[torch.ops.torchfuse.upsample.default] = upsample_forward
     from ..extend import decompositions as user_decompositions

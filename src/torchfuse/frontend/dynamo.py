@@ -47,7 +47,8 @@ class TorchfuseBackend:
         # computed from parameters, so static too
         hoisted = range(n_inputs, len(list(gm.graph.find_nodes(op="placeholder"))))
         plan = cudagraphs.plan_capture(gm, kind, sorted(static | set(hoisted)))
-        return cudagraphs.wrap(call, plan, training, self.config.cudagraph_max_sizes, f"a {kind} graph")
+        article = "an" if kind[:1] in "aeiou" else "a"       # (an inference graph, a forward graph)
+        return cudagraphs.wrap(call, plan, training, self.config.cudagraph_max_sizes, f"{article} {kind} graph")
 
     def _compiler(self, kind: str, training: "cudagraphs.TrainingState", cached: bool) -> Callable:
         if cached:

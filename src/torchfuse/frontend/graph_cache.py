@@ -97,6 +97,9 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         self._kind, self._static, self._training = kind, set(static), training
         self._key, self._keep_graph = key, keep_graph
         self._code: bytes | None = None     # the generated code (saved_program.py)
+        # effect tokens the graph takes first and returns first (an op with effects: a
+        # linalg.inv's error check); see _without_tokens
+        self._tokens = _effect_tokens(graph[0]) if graph is not None else 0
 
     def __call__(self, inputs: list) -> Any:
         return self._call(inputs)
@@ -138,7 +141,10 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
                 log.warning("torchfuse: stored code did not load (%s: %s); compiling the graph again",
                             type(e).__name__, e)
             if self._call is not None:
+                self._call = _without_tokens(self._call, getattr(self, "_tokens", 0))
                 counters.bump("graph_cache_hits")
+                log.debug("torchfuse: graph cache hit: %s graph linked from its stored code (%s)", self._kind,
+                          _entry_folder(config))
                 return
         if not self._graph:
             # stored as code only: a miss (AOTAutograd compiles and stores the entry again)
@@ -152,11 +158,51 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
             from torch._subclasses.fake_tensor import FakeTensorMode
             fake_mode = FakeTensorMode()
         gm = GraphPickler.loads(self._graph, fake_mode)     # (a GraphModule: its code is generated)
-        self._call = compile(self._kind, gm, self._static, self._training)
+        self._call = _without_tokens(compile(self._kind, gm, self._static, self._training), getattr(self, "_tokens", 0))
         counters.bump("graph_cache_hits")
+        log.debug("torchfuse: graph cache hit: %s graph compiled again from its stored aten graph (%s)", self._kind,
+                  _entry_folder(config))
 
     def set_triton_bundle(self, triton_bundle: Any) -> None:
         pass
+
+
+def _effect_tokens(graph: fx.Graph) -> int:
+    """How many effect tokens a graph takes: the placeholders that `with_effects` calls thread
+    (AOTAutograd passes them first and the graph returns them first)."""
+    with_effects = getattr(torch.ops.higher_order, "with_effects", None)
+    if with_effects is None:
+        return 0
+    return len({n.args[0] for n in graph.find_nodes(op="call_function", target=with_effects)
+                if n.args and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"})
+
+
+def _without_tokens(call: Callable, tokens: int) -> Callable:
+    """A loaded graph's call as AOTAutograd calls it on a cache hit.  A fresh compile's result is
+    wrapped by AOTAutograd's EffectTokensWrapper (None tokens in, tokens out dropped); the result
+    its cache loads is not, so without this a graph with effect tokens (linalg.inv, cholesky)
+    got one argument too few on every hit."""
+    if not tokens:
+        return call
+
+    def call_with_tokens(args: list) -> Any:
+        full = [None] * tokens + list(args)
+        args.clear()
+        outs = call(full)
+        return None if outs is None else outs[tokens:]
+    call_with_tokens._boxed_call = True  # type: ignore[attr-defined]
+    for attr in ("_torchfuse_lib", "_torchfuse_code"):
+        if hasattr(call, attr):
+            setattr(call_with_tokens, attr, getattr(call, attr))
+    return call_with_tokens
+
+
+def _entry_folder(config: Config) -> str:
+    try:
+        from ..runtime.cache_dir import cache_folder
+        return f"entry under {cache_folder(config, 'graphs')}"
+    except Exception:      # (only for the log line)
+        return "graph cache"
 
 
 # config key -> the compile function of the latest backend with that Config, the Config, and

@@ -57,6 +57,9 @@ class _CodePickler(pickle.Pickler):
             return _op, (ns, name)
         if isinstance(obj, torch._ops.OpOverload):
             return _op, (obj.namespace, obj._schema.name.split("::")[1], obj._overloadname)
+        if isinstance(obj, torch._ops.HigherOrderOperator) and hasattr(torch.ops.higher_order, obj.name()):
+            # (with_effects: a fallback with effect tokens; its pickled form fails on a closure)
+            return _op, ("higher_order", obj.name())
         reduce = getattr(obj, "_tf_reduce", None)       # a closure that says how to make it again
         if reduce is not None and callable(obj):
             return reduce

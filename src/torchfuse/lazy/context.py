@@ -194,10 +194,15 @@ class LazyContext:
         capture.block_exited()
         try:
             self.flush_all("end of the lazy block")
-        except Exception:
+        except Exception as e:
             if exc_type is None:
                 raise
-            log.exception("torchfuse.lazy: flushing at the end of a block that raised failed")
+            if isinstance(e, exc_type):
+                # the values whose flush raised in the block are still pending and fail alike
+                # (an index out of range): the block's own error says it
+                log.debug("torchfuse.lazy: flushing at the end of a block that raised failed again: %s", e)
+            else:
+                log.exception("torchfuse.lazy: flushing at the end of a block that raised failed")
         finally:
             if outer is not None:
                 _push_mode(outer)

@@ -493,10 +493,27 @@ def _scatter_value(lw, x, dim, index, value):
 # indirect loads: gather, index_select, advanced indexing, embedding
 # --------------------------------------------------------------------------------------------
 
-def _wrap_index(i: Node, size: Node) -> Node:
-    """Negative indices count from the end, as in eager."""
+def _wrap_index(i: Node, size: Node, what: str, negative: bool = True) -> Node:
+    """Negative indices count from the end, as in eager's advanced indexing (`negative`; gather,
+    index_select and embedding reject them); an index out of range is an error that the kernel
+    reports (codegen/checks.py), never a load outside the tensor.  `what` names the op and dim
+    in that error."""
     i = cast(i, INDEX)
-    return where(op("lt", i, const(0), dtype=torch.bool), op("add", i, size, dtype=INDEX), i)
+    if size.op == "const" and size.arg == 0:
+        raise Unsupported(f"{what}: indexing an empty dim")     # (ATen raises its error)
+    if i.op == "const" and size.op == "const" and (-size.arg if negative else 0) <= i.arg < size.arg:
+        return const(i.arg % size.arg)
+    return Node("check_index", (i, size, const(int(negative))), what, INDEX)
+
+
+def _checked_load(x: Any, sub: list[Node]) -> Node:
+    """`x.load(sub)`, keeping the checks of indices into dims of one element: the load reads
+    such a dim at 0 whatever the index, which would drop its check with it."""
+    value = x.load(sub)
+    for i, size in zip(sub, x.shape):
+        if i.op == "check_index" and size.op == "const" and size.arg == 1:
+            value = Node("checked", (value, i), None, value.dtype)
+    return value
 
 
 @register(aten.index_select.default)
@@ -504,8 +521,8 @@ def _index_select(lw, x, dim, index):
     if x.ndim == 0:       # a 0-d input gives a 0-d output (the index can only be 0 or -1)
         return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load([]))
     dim = _norm(dim, x.ndim)
-    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(
-        list(idx[:dim]) + [_wrap_index(index.load([idx[dim]] if index.ndim else []), x.shape[dim])] + list(idx[dim + 1:])))
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: _checked_load(x,
+        list(idx[:dim]) + [_wrap_index(index.load([idx[dim]] if index.ndim else []), x.shape[dim], f"index_select dim {dim}", False)] + list(idx[dim + 1:])))
 
 
 @register(aten.gather.default)
@@ -513,19 +530,25 @@ def _gather(lw, x, dim, index, *, sparse_grad=False):
     dim = _norm(dim, max(x.ndim, 1))
     if x.ndim == 0:
         return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load([]))
-    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: x.load(
-        list(idx[:dim]) + [_wrap_index(index.load(list(idx)), x.shape[dim])] + list(idx[dim + 1:])))
+    return ComputedValue(lw.out_shape(), x.dtype, lambda idx: _checked_load(x,
+        list(idx[:dim]) + [_wrap_index(index.load(list(idx)), x.shape[dim], f"gather dim {dim}", False)] + list(idx[dim + 1:])))
 
 
 @register(aten.embedding.default)
 def _embedding(lw, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     k = indices.ndim
-    return ComputedValue(lw.out_shape(), weight.dtype, lambda idx: weight.load(
-        [_wrap_index(indices.load(list(idx[:k])), weight.shape[0])] + list(idx[k:])))
+    return ComputedValue(lw.out_shape(), weight.dtype, lambda idx: _checked_load(weight,
+        [_wrap_index(indices.load(list(idx[:k])), weight.shape[0], "embedding", False)] + list(idx[k:])))
 
 
-@register(aten.index.Tensor, aten._unsafe_index.Tensor)
-def _index(lw, x, indices):
+@register(aten._unsafe_index.Tensor)
+def _unsafe_index(lw, x, indices):
+    """Indices that decompositions computed in range (upsampling): no check, as in eager."""
+    return _index(lw, x, indices, checked=False)
+
+
+@register(aten.index.Tensor)
+def _index(lw, x, indices, checked: bool = True):
     indices = list(indices) + [None] * (x.ndim - len(indices))
     tensor_dims = [d for d, t in enumerate(indices) if t is not None]
     if not tensor_dims:
@@ -548,8 +571,10 @@ def _index(lw, x, indices):
             if t is None:
                 sub.append(next(it))
             else:
-                sub.append(_wrap_index(bcast_load(t, bshape, bidx, INDEX), x.shape[d]))
-        return x.load(sub)
+                i = bcast_load(t, bshape, bidx, INDEX)
+                sub.append(_wrap_index(i, x.shape[d], f"index dim {d}") if checked else
+                           where(op("lt", i, const(0), dtype=torch.bool), op("add", i, x.shape[d], dtype=INDEX), i))
+        return _checked_load(x, sub)
     return ComputedValue(out_shape, x.dtype, body)
 
 

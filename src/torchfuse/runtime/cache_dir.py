@@ -24,6 +24,7 @@ from ..config import Config
 _lock = threading.Lock()
 _checked: dict[tuple[str, bool], Path] = {}     # (folder, group ok) -> the folder to use
 _private: Path | None = None
+_warned: set[tuple[str, bool]] = set()           # cache directories refused (one warning each)
 
 
 def untrusted_because(folder: Path, group_ok: bool) -> str | None:
@@ -84,11 +85,14 @@ def cache_folder(config: Config, name: str) -> Path:
             return folder
         reason = untrusted_because(root, config.cache_group_writable) or \
             untrusted_because(folder, config.cache_group_writable)
-        if reason is not None:
+        if reason is not None and (str(root), config.cache_group_writable) not in _warned:
+            # once per directory, not once per sub-folder (libraries, Triton modules, graphs)
+            _warned.add((str(root), config.cache_group_writable))
             warnings.warn(f"torchfuse: not loading compiled code from the cache directory {root}: {reason}. "
                           f"This process caches in a private folder instead. Fix: point TORCHFUSE_CACHE_DIR "
                           f"(or options={{'cache_dir': ...}}) at a folder of your own, or `chmod go-w {root}`.",
                           RuntimeWarning, stacklevel=3)
+        if reason is not None:
             folder = _private_folder() / name
             folder.mkdir(exist_ok=True, mode=0o700)
         _checked[key] = folder

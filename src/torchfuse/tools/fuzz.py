@@ -2,6 +2,8 @@
 
     python -m torchfuse.tools.fuzz --examples 300 --seed 1 --max-ops 8
     python -m torchfuse.tools.fuzz --dynamic [--triton]     # symbolic sizes; Triton's interpreter
+    python -m torchfuse.tools.fuzz --bad-values [--triton | --lazy]   # out-of-range indices,
+                                                            # zero and -1 divisors, INT_MIN
 
 A program is straight-line Python over 1-4 input tensors: chains and DAGs of pointwise ops
 (with broadcasting and Python scalars), views (permute, transpose, slice, select, expand,
@@ -758,9 +760,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--triton", action="store_true", help="the Triton backend, under Triton's interpreter")
     p.add_argument("--real-models", action="store_true", help="draw mostly what real models bring (fuzz_real.py)")
     p.add_argument("--device", default=None, help="run on this device (e.g. cuda); 0-d inputs stay on the host")
+    p.add_argument("--bad-values", action="store_true",
+                   help="adversarial indices and divisors instead (tools/fuzz_bad_values.py)")
+    p.add_argument("--lazy", action="store_true", help="with --bad-values: through torchfuse.lazy()")
     a = p.parse_args(argv)
     if a.triton:
         os.environ.setdefault("TRITON_INTERPRET", "1")      # before anything imports triton
+    if a.bad_values:
+        from . import fuzz_bad_values
+        mode = "triton" if a.triton else "lazy" if a.lazy else "cpp"
+        failures = fuzz_bad_values.run(a.examples, seed=a.seed or 0, mode=mode)
+        for case, msg in failures[:10]:
+            print(f"{case}: {msg}")
+        print(f"{a.examples} cases ({mode}): {len(failures)} failed")
+        return 1 if failures else 0
     options = {**({"dynamic": True} if a.dynamic else {}), **({"cpu_backend": "triton"} if a.triton else {}),
                **({"device": a.device} if a.device else {})}
     r = run_fuzz(a.examples, seed=a.seed, max_ops=a.max_ops, out_dir=None if a.no_write else a.out_dir,

@@ -312,7 +312,9 @@ class _Run:
         self.error: BaseException | None = None
 
 
-def _torchfuse_run(op: Any, cases: Sequence[_Case], options: dict) -> _Run:
+def _torchfuse_run(op: Any, cases: Sequence[_Case], options: dict, explain: bool = True) -> _Run:
+    """`explain=False`: no report, so graph-cache hits link their stored code as a user's
+    compile does (explain's compile runs the stages again to report them)."""
     from torch._dynamo.utils import counters as dynamo_counters
 
     from .. import counters
@@ -322,7 +324,7 @@ def _torchfuse_run(op: Any, cases: Sequence[_Case], options: dict) -> _Run:
 
     run = _Run()
     report = Explanation()
-    backend = TorchfuseBackend(Config.from_options({"strict": True, **options}), report=report)
+    backend = TorchfuseBackend(Config.from_options({"strict": True, **options}), report=report if explain else None)
     graphs0, eager0 = counters["graphs_compiled"], counters["eager_fallbacks"]
     dynamo_counters["graph_break"].clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -489,8 +491,11 @@ def _check(op: Any, cases: Sequence[_Case], run: _Run, dtype: torch.dtype, devic
 
 
 def run_op(op: Any, dtype: torch.dtype = torch.float32, device: str = "cpu", max_samples: int = 3,
-           options: dict | None = None) -> OpResult:
-    """Compile `op`'s first `max_samples` samples with torchfuse and compare them with eager."""
+           options: dict | None = None, warm: bool = False) -> OpResult:
+    """Compile `op`'s first `max_samples` samples with torchfuse and compare them with eager.
+    `warm`: then compile and run them again, now from the graph cache the first run filled: a
+    crash, a mismatch, or a graph compiled again instead of loaded is reported for the op (every
+    compiled program must behave the same cold and warm)."""
     t0 = time.perf_counter()
     key, dname = op_key(op), str(dtype).replace("torch.", "")
     result = OpResult(key, dname, "skipped")
@@ -530,6 +535,11 @@ def run_op(op: Any, dtype: torch.dtype = torch.float32, device: str = "cpu", max
                     statuses.append(("crash", where + _short_error(run.error)))
                 continue
             msg, notes = _check(op, group, run, dtype, device)
+            if msg is None and warm:
+                failed = _warm_check(op, group, opts, dtype, device)
+                if failed:
+                    statuses.append(failed)
+                    continue
             for n in notes:
                 fp64_notes.setdefault(n)
             if msg is not None:
@@ -564,14 +574,32 @@ def run_op(op: Any, dtype: torch.dtype = torch.float32, device: str = "cpu", max
         result.seconds = round(time.perf_counter() - t0, 2)
 
 
+def _warm_check(op: Any, group: Sequence[_Case], opts: dict, dtype: torch.dtype,
+                device: str) -> tuple[str, str] | None:
+    """Run `group` again against the graph cache the cold run filled: None when it matches with
+    every graph loaded, else the failing (status, detail)."""
+    from .. import counters
+    hits0 = counters["graph_cache_hits"]
+    run = _torchfuse_run(op, group, opts, explain=False)
+    if run.error is not None:
+        return "crash", f"warm cache: {_short_error(run.error)}"
+    msg, _ = _check(op, group, run, dtype, device)
+    if msg is not None:
+        return "mismatch", f"warm cache: {msg}"
+    if run.graphs:
+        hits = counters["graph_cache_hits"] - hits0
+        return "crash", f"warm cache: {run.graphs} graph(s) compiled again ({hits} loaded)"
+    return None
+
+
 def sweep(ops: Sequence[Any] | None = None, dtypes: Sequence[torch.dtype] = (torch.float32,), device: str = "cpu",
-          max_samples: int = 3, options: dict | None = None, log: Any = None) -> list[OpResult]:
-    """In-process sweep over `ops` (OpInfos; default: the CI subset) and `dtypes`."""
+          max_samples: int = 3, options: dict | None = None, log: Any = None, warm: bool = False) -> list[OpResult]:
+    """In-process sweep over `ops` (OpInfos; default: the CI subset) and `dtypes` (`warm`: see run_op)."""
     ops = select_ops() if ops is None else ops
     results = []
     for op in ops:
         for dt in dtypes:
-            r = run_op(op, dt, device, max_samples, options)
+            r = run_op(op, dt, device, max_samples, options, warm=warm)
             results.append(r)
             if log is not None:
                 print(f"{r.op:40s} {r.dtype:9s} {r.status:9s} {r.seconds:6.2f}s {r.detail[:100]}", file=log, flush=True)
@@ -711,6 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the results as JSON to this file")
     p.add_argument("--in-process", action="store_true", help="no worker process (a segfault ends the sweep)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--warm", action="store_true",
+                   help="run each op a second time from the graph cache the first run filled (in-process only)")
     p.add_argument("--worker", nargs=2, metavar=("OPS_FILE", "OUT_FILE"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     dtypes = [d.strip().replace("torch.", "") for d in a.dtypes.split(",") if d.strip()]
@@ -723,9 +753,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [n.strip() for n in a.ops.split(",") if n.strip()]
     ops = select_ops(names or None, all_ops=a.all)
     t0 = time.time()
-    if a.in_process:
+    if a.in_process or a.warm:
         results = sweep(ops, [getattr(torch, d) for d in dtypes], a.device, a.max_samples,
-                        log=None if a.quiet else sys.stderr)
+                        log=None if a.quiet else sys.stderr, warm=a.warm)
     else:
         results = run_isolated([op_key(o) for o in ops], dtypes, a.device, a.max_samples, a.op_timeout,
                                verbose=not a.quiet)

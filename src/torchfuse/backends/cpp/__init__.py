@@ -36,9 +36,10 @@ class CppBackend(Backend):
     def kernel(self, plan: LoopPlan, graph: GraphCode) -> KernelCode:
         if "int32" not in graph.scratch:
             graph.scratch["int32"] = _int32_addressable(graph.program)
+        checks: list = []
         src, bufs, syms = codegen.kernel_source(plan, graph.dtypes, graph.config.parallel_threshold,
-                                                graph.scratch["int32"])
-        return KernelCode(src, bufs, syms)
+                                                graph.scratch["int32"], checks)
+        return KernelCode(src, bufs, syms, checks=checks)
 
     def build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None]) -> dict[str, Any]:
         from .build import load_library
@@ -49,10 +50,14 @@ class CppBackend(Backend):
         debug("kernels.cpp", unit)
         lib = load_library(unit, config)
         lib.tf_set_num_threads(config.num_threads or torch.get_num_threads())
+        checks = getattr(code, "checks", {})
         for name, (bufs, syms) in code.kernel_args.items():
             fn = kernels[name] = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p] * len(bufs) + [ctypes.c_int64] * len(syms)
-            fn.restype = None
+            fn.restype = ctypes.c_int64 if name in checks else None    # (non-zero: a run-time check failed)
+        if checks:
+            last_error = kernels["_tf_last_error"] = lib.tf_last_error
+            last_error.argtypes, last_error.restype = [ctypes.c_void_p], None
         return kernels
 
 

@@ -270,6 +270,7 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
     lib = _try_load(so, meta, quiet=True)
     if lib is not None:
         counters.bump("cache_hits_disk")
+        log.debug("torchfuse: C++ library loaded from the disk cache: %s", so)
         return lib
     try:
         so.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -283,12 +284,14 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         lib = _try_load(so, meta, quiet=False)
         if lib is not None:
             counters.bump("cache_hits_disk")
+            log.debug("torchfuse: C++ library loaded from the disk cache (built by another process): %s", so)
             return lib
         # We hold the lock, so any temp file of this key is a leftover of a killed writer.
         for stray in so.parent.glob(f".{key}.*.tmp"):
             with suppress(OSError):
                 stray.unlink()
         data = _compile(source, key, config)
+        log.debug("torchfuse: C++ library built and stored: %s", so)
         try:
             _publish(so, meta, data, key, config)
         except OSError as err:  # disk full, quota, filesystem went read-only...
@@ -310,6 +313,7 @@ def load_library(source: str, config: Config) -> ctypes.CDLL:
     lib = _memory_get(key)
     if lib is not None:
         counters.bump("cache_hits_memory")
+        log.debug("torchfuse: C++ library %s found in memory", key)
         return lib
     lib = _load_or_build(source, key, config)
     _memory_put(key, lib, config.memory_cache_size)

@@ -14,7 +14,9 @@ import torch
 
 from ...ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
 from ...scheduler.loops import LoopPlan, Stage, rows_contiguous, step_of
+from ...codegen.checks import check_sites, unchecked_index
 from ...codegen.common import ExprEmitter
+from .checks import CHECKS
 
 CTYPE = {
     torch.float32: "float", torch.float64: "double", torch.float16: "float", torch.bfloat16: "float",
@@ -77,14 +79,26 @@ template <typename T> static inline T tf_floordiv(T a, T b) {
     if (m != 0 && ((b < 0) != (m < 0))) d -= 1;
     if (d == 0) return std::copysign(T(0), a / b);
     T f = std::floor(d); if (d - f > T(0.5)) f += 1; return f;
-  } else { if (b == 0) return 0; T q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q; }
+  } else {
+    // (a zero divisor is reported by the kernel's check, tf_div_check; -1 wraps INT_MIN as eager
+    // does: the hardware division traps on it)
+    if (b == 0) return 0;
+    if (b == -1) return (T)(0 - (typename std::make_unsigned<T>::type)a);
+    T q = a / b; if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1; return q;
+  }
 }
 template <typename T> static inline T tf_remainder(T a, T b) {
   if constexpr (std::is_floating_point<T>::value) { T m = std::fmod(a, b); if (m != 0 && ((b < 0) != (m < 0))) m += b; return m; }
-  else { if (b == 0) return 0; T m = a % b; if (m != 0 && ((b < 0) != (m < 0))) m += b; return m; }
+  else { if (b == 0 || b == -1) return 0; T m = a % b; if (m != 0 && ((b < 0) != (m < 0))) m += b; return m; }
 }
-template <typename T> static inline T tf_fmod(T a, T b) { if constexpr (std::is_floating_point<T>::value) return std::fmod(a, b); else return b == 0 ? 0 : a % b; }
-template <typename T> static inline T tf_truncdiv(T a, T b) { if constexpr (std::is_floating_point<T>::value) return std::trunc(a / b); else return b == 0 ? 0 : a / b; }
+template <typename T> static inline T tf_fmod(T a, T b) {
+  if constexpr (std::is_floating_point<T>::value) return std::fmod(a, b); else return (b == 0 || b == -1) ? 0 : a % b;
+}
+template <typename T> static inline T tf_truncdiv(T a, T b) {
+  if constexpr (std::is_floating_point<T>::value) return std::trunc(a / b);
+  else return b == 0 ? 0 : (b == -1 ? (T)(0 - (typename std::make_unsigned<T>::type)a) : a / b);
+}
+
 template <typename T> static inline T tf_pow(T a, T b) {
   if constexpr (std::is_floating_point<T>::value) return std::pow(a, b);
   else { if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0); T r = 1; while (b) { if (b & 1) r *= a; a *= a; b >>= 1; } return r; }
@@ -301,6 +315,25 @@ class Emitter(ExprEmitter):
         super().__init__(buffers)
         self.int32_buffers = int32_buffers
         self.lane_vars = lane_vars
+        self.checks: dict[Node, int] = {}       # check node -> its site's number (check_sites)
+        self.check_clause = ""                  # the reduction clause of every loop pragma
+        self.recorded: set[Node] = set()        # checks already evaluated by an earlier loop
+        self.ranges: dict[str, Node] = {}       # loop var -> its size (indices known in range)
+        self.open_vars: list[str] = []          # the vars of the loops now open
+        self.produced: set[str] = set()         # buffers the kernel computes (hoist_checks)
+
+    def hoist_checks(self) -> None:
+        """Evaluate, before a vector loop opens, the index checks that only depend on the loops
+        around it (an embedding row's id): computed inside, the clamp made g++ load every lane's
+        element with a gather instead of one contiguous vector (an embedding lookup ran 1.8x
+        slower).  Not a check that reads a buffer this kernel computes (not stored yet)."""
+        for n in self.checks:
+            if n.op != "check_index" or any(n in scope for scope in self.scopes):
+                continue
+            nodes = walk(n)
+            if all(x.arg in self.open_vars for x in nodes if x.op == "var") and \
+                    not any(x.op == "load" and x.arg in self.produced for x in nodes):
+                self.value(n)
 
     def literal(self, value, dtype: torch.dtype) -> str:
         return c_literal(value, dtype)
@@ -321,6 +354,23 @@ class Emitter(ExprEmitter):
 
     def _expr(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
+        if o == "check_index":
+            if n not in self.checks:
+                return self.index(unchecked_index(n, self.ranges))
+            if n in self.recorded:
+                # a later stage of the row meets the same indices again: the first one reported
+                # them, this one only keeps its loads inside the tensor (a softmax's three passes
+                # over a gathered bias checked each index three times: +11%)
+                return f"tf_clamp_index({self.value(a[0])}, {self.index(a[1])}, {int(bool(a[2].arg))})"
+            self.recorded.add(n)
+            fn = "tf_check_index" if a[2].arg else "tf_check_index_nonneg"
+            return f"{fn}({self.value(a[0])}, {self.index(a[1])}, tf_bad{self.checks[n]})"
+        if o == "checked":          # a value whose index check the load dropped (a dim of one)
+            self.value(a[1])
+            return self.value(a[0])
+        if n in self.checks:       # an integer division by a divisor that may be 0
+            b = f"tf_div_check(static_cast<{CTYPE[a[1].dtype]}>({self.value(a[1])}), tf_bad{self.checks[n]})"
+            return f"{_FN[o]}(static_cast<{CTYPE[a[0].dtype]}>({self.value(a[0])}), {b})"
         if o == "load":
             offset = self.index(a[0])
             if n.arg in self.int32_buffers and _gathers_per_lane(a[0], self.lane_vars):
@@ -421,9 +471,12 @@ def _store_expr(buf_dtype: torch.dtype, value: str) -> str:
 
 
 def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], parallel_threshold: int,
-                  int32_buffers: frozenset[str] = frozenset()) -> tuple[str, list[str], list[str]]:
+                  int32_buffers: frozenset[str] = frozenset(),
+                  checks: list | None = None) -> tuple[str, list[str], list[str]]:
     """C++ for one kernel; returns (source, buffer argument names, symbol argument names).
-    `int32_buffers`: the buffers every offset of which fits an int32 (see Emitter)."""
+    `int32_buffers`: the buffers every offset of which fits an int32 (see Emitter).  `checks`,
+    a list, gets the kernel's run-time check sites (codegen/checks.py): a kernel with any
+    returns non-zero when one failed, and `tf_last_error` says which, with what value."""
     kernel = plan.kernel
     written = [m.buffer.into or m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
     produced = {m.buffer.name for m in plan.members}
@@ -448,7 +501,17 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     if short_inner:
         lane_vars.add(f"x{len(plan.outer) - 2}")
     em = Emitter(buffer_dtypes, int32_buffers, frozenset(lane_vars))
-    em.lines.append(f'extern "C" void {kernel.name}({", ".join(params)}) {{')
+    ranges = {f"x{j}": s for j, s in enumerate(plan.outer)} | {f"y{j}": s for j, s in enumerate(plan.inner)}
+    sites = check_sites([n for m in plan.members for n in _all_nodes(m)], ranges)
+    em.checks, em.ranges = {node: k for k, (node, _) in enumerate(sites)}, ranges
+    em.produced = produced
+    if checks is not None:
+        checks.extend(desc for _, desc in sites)
+    em.lines.append(f'extern "C" {"int64_t" if sites else "void"} {kernel.name}({", ".join(params)}) {{')
+    for k in range(len(sites)):
+        em.line(f"int64_t tf_bad{k} = INT64_MIN;")
+    if sites:
+        em.check_clause = f" reduction(max:{','.join(f'tf_bad{k}' for k in range(len(sites)))})"
     total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
     para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
     outer_vars = [f"x{j}" for j in range(len(plan.outer))]
@@ -465,6 +528,11 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
         _emit_column_kernel(em, plan, para)
     else:
         _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_outer_body(em, plan, None), simd_last=False)
+    for k, (node, _) in enumerate(sites):
+        size = em.index(node.args[1]) if node.op == "check_index" else "0"
+        em.line(f"if (tf_bad{k} != INT64_MIN) {{ tf_err[0] = {k}; tf_err[1] = tf_bad{k}; tf_err[2] = {size}; return 1; }}")
+    if sites:
+        em.line("return 0;")
     em.lines.append("}")
     return "\n".join(em.lines), read + written, syms_list
 
@@ -518,14 +586,17 @@ def _emit_loops(em: Emitter, names: list[str], sizes: tuple[Node, ...], para: st
             collapse = depth if simd_at is None else max(simd_at, 1)     # the loops outside the simd one
             clause = f" collapse({collapse})" if collapse > 1 else ""
             simd = " simd" if simd_at == 0 else ""
-            em.line(f"#pragma {pragma}{simd}{clause}{reduction_clause} {para}")
+            em.line(f"#pragma {pragma}{simd}{clause}{reduction_clause}{em.check_clause} {para}")
         elif j == simd_at:
-            em.line(f"#pragma omp simd{reduction_clause}")
+            em.hoist_checks()
+            em.line(f"#pragma omp simd{reduction_clause}{em.check_clause}")
         em.line(f"for (int64_t {name} = 0; {name} < {em.index(size)}; ++{name}) {{")
         em.push()
+        em.open_vars.append(name)
     body()
     for _ in sizes:
         em.pop()
+        em.open_vars.pop()
         em.line("}")
 
 
@@ -633,7 +704,7 @@ def _emit_column_kernel(em: Emitter, plan: LoopPlan, para: str) -> None:
     n = len(plan.outer)
     cols = em.index(plan.outer[-1])
     collapse = f" collapse({n})" if n > 1 else ""
-    em.line(f"#pragma omp parallel for{collapse} {para}")
+    em.line(f"#pragma omp parallel for{collapse}{em.check_clause} {para}")
     for j in range(n - 1):
         em.line(f"for (int64_t x{j} = 0; x{j} < {em.index(plan.outer[j])}; ++x{j}) {{")
         em.push()
@@ -671,7 +742,7 @@ def _tile_array(em: Emitter, buffer: str, prefix: str, dtype: torch.dtype) -> st
 
 def _emit_lanes(em: Emitter, n_outer: int, body) -> None:
     """One vector loop over the tile's columns; the last outer var is the column."""
-    em.line("#pragma omp simd")
+    em.line(f"#pragma omp simd{em.check_clause}")
     em.line("for (int64_t xi = 0; xi < xn; ++xi) {")
     em.push()
     em.line(f"const int64_t x{n_outer - 1} = xb + xi;")
@@ -743,4 +814,4 @@ def _result_cast(dtype: torch.dtype, result: str) -> str:
 
 
 def translation_unit(kernel_sources: list[str]) -> str:
-    return PRELUDE + "\n\n" + "\n\n".join(kernel_sources) + "\n"
+    return PRELUDE + CHECKS + "\n\n" + "\n\n".join(kernel_sources) + "\n"

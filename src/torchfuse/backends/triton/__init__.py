@@ -41,7 +41,13 @@ class TritonBackend(Backend):
 
     def kernel(self, plan: LoopPlan, graph: GraphCode) -> KernelCode:
         kernel = plan.kernel
-        src, bufs, syms = codegen.kernel_source(plan, graph.dtypes)
+        checks: list = []
+        src, bufs, syms = codegen.kernel_source(plan, graph.dtypes, checks)
+        # a kernel with run-time checks stores their failures in error slots of its own
+        err = [f"_tferr_{kernel.name}"] if checks else []
+        slots = (err[0], tuple(c[:2] for c in checks),
+                 [py_index(c[2]) if c[2] is not None else "0" for c in checks],
+                 _device_of(graph.program, bufs, self.device_type)) if checks else None
         xnumel = py_index(product(plan.outer))
         big = _needs_64bit_expr(graph.program, bufs, plan)
         tile = codegen.tile_dims(plan)
@@ -65,11 +71,12 @@ class TritonBackend(Backend):
             kw["sym"] = sym
         # the wrapper calls the kernel's own call site; the helper call (the same launch) is what
         # the parallel precompile plans from
-        launch_call = (f"{helper}({', '.join(variants + sizes + bufs + syms)}"
+        launch_call = (f"{helper}({', '.join(variants + sizes + bufs + err + syms)}"
                        + "".join(f", {k}={v!r}" for k, v in kw.items()) + ")")
-        site_call = f"{kernel.name}_site({', '.join(sizes + bufs + syms)})"
-        return KernelCode(src, bufs, syms, site=(helper, variants, len(sizes), len(bufs), len(syms), kw),
-                          site_call=site_call, launch_call=launch_call, register_only=register_only)
+        site_call = f"{kernel.name}_site({', '.join(sizes + bufs + err + syms)})"
+        return KernelCode(src, bufs, syms, site=(helper, variants, len(sizes), len(bufs + err), len(syms), kw),
+                          site_call=site_call, launch_call=launch_call, register_only=register_only,
+                          error_slots=slots)
 
     def build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None]) -> dict[str, Any]:
         kernels: dict[str, Any] = {}
@@ -151,3 +158,12 @@ def _always_persistent(plan: LoopPlan) -> bool:
 
 def _symbolic(size: Any) -> bool:
     return size.op != "const"
+
+
+def _device_of(program: Any, bufs: list[str], device_type: str) -> Any:
+    """The device of a kernel's buffers (where its error slots go)."""
+    for b in bufs:
+        meta = program.buffer_meta.get(b)
+        if meta is not None and meta[3] is not None:
+            return torch.device(meta[3])
+    return torch.device(device_type)

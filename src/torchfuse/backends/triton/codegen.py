@@ -13,6 +13,7 @@ shape-generic.  fp16/bf16 are computed in fp32.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Sequence
@@ -22,6 +23,7 @@ import torch
 from ...ir.nodes import INDEX, Node, free_syms, load, loads, to_text, walk
 from ...scheduler.loops import LoopPlan, rows_contiguous
 from ...scheduler.tiling import stride_of
+from ...codegen.checks import check_sites, unchecked_index
 from ...codegen.common import ExprEmitter
 
 TL = {
@@ -118,6 +120,26 @@ class TritonEmitter(ExprEmitter):
         # Inside a looped variant's row loop: the L2 hint for loads of each buffer (see
         # _eviction); None elsewhere (no hints).
         self.evict: dict[str, str] | None = None
+        self.checks: dict[Node, int] = {}       # run-time checks (codegen/checks.py) -> site
+        self.ranges: dict[str, Node] = {}       # loop var -> size (indices known in range)
+
+    def _flag(self, site: int, bad: str, value: str) -> None:
+        """Record `value` where `bad` holds (in this program's live lanes) in the kernel's error
+        slots (`tf_err`), which the wrapper reads after the graph (runtime/kernel_errors.py)."""
+        if self.mask != "None":
+            bad = f"{bad} & ({self.mask})"
+        b = f"f{self.count}"
+        self.count += 1
+        self.line(f"{b}_m, {b}_v = tl.broadcast({bad}, {value})")
+        self.line(f"tl.store(tf_err + {site} + {b}_v * 0, {b}_v, mask={b}_m)")
+
+    def _checked_divisor(self, n: Node, y: str) -> str:
+        """The divisor of an integer division, 1 where it is 0 (flagged) or -1 (the quotient is
+        then -x, the remainder 0: the hardware division of INT_MIN by -1 is undefined)."""
+        if n in self.checks:
+            z = self.tmp(f"({y} == 0)")
+            self._flag(self.checks[n], z, f"{z}.to(tl.int64)")
+        return self.tmp(f"tl.where(({y} == 0) | ({y} == -1), 1, {y})")
 
     def literal(self, value, dtype: torch.dtype) -> str:
         return literal(value, dtype)
@@ -149,6 +171,17 @@ class TritonEmitter(ExprEmitter):
 
     def _expr_of(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
+        if o == "checked":          # a value whose index check the load dropped (a dim of one)
+            self.value(a[1])
+            return self.value(a[0])
+        if o == "check_index":
+            if n not in self.checks:
+                return self.index(unchecked_index(n, self.ranges))
+            i, size = self.value(a[0]), self.index(a[1])
+            w = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})") if a[2].arg else i
+            ok = self.tmp(f"({w} >= 0) & ({w} < {size})")
+            self._flag(self.checks[n], f"({ok} == 0)", i)
+            return f"tl.where({ok}, {w}, 0)"     # (never a load outside the tensor)
         if o == "load":
             mask = self.mask
             if len(a) == 2:
@@ -249,14 +282,17 @@ class TritonEmitter(ExprEmitter):
                 if o == "remainder":
                     return f"tl.where({fix}, {m} + {y}, {m})"
                 return f"tl.where({y} == 0, {x} / {y}, libdevice.trunc(({x} - {m}) / {y}) - tl.where({fix}, 1.0, 0.0))"
-            q = self.tmp(f"({x} // {y})")     # Triton integer // and % truncate, like C
-            r = self.tmp(f"({x} % {y})")
+            ys = self._checked_divisor(n, y)
+            # Triton integer // and % truncate, like C; by -1: -x (wraps INT_MIN) and 0
+            q = self.tmp(f"tl.where({y} == -1, -{x}, {x} // {ys})")
+            r = self.tmp(f"tl.where({y} == -1, 0, {x} % {ys})")
             if o == "truncdiv":
                 return q
             fix = self.tmp(f"({r} != 0) & (({r} < 0) != ({y} < 0))")
             return f"tl.where({fix}, {q} - 1, {q})" if o == "pyfloordiv" else f"tl.where({fix}, {r} + {y}, {r})"
         if o == "fmod" and not dt.is_floating_point:
-            return f"({self.value(a[0])} % {self.value(a[1])})"
+            x, y = self.value(a[0]), self.value(a[1])
+            return f"tl.where({y} == -1, 0, {x} % {self._checked_divisor(n, y)})"
         if o in _CORE:
             return f"{_CORE[o]}({self.value(a[0])})"
         if o in _LIBDEVICE:
@@ -293,8 +329,11 @@ def _init_value(op: str, dtype: torch.dtype) -> str:
     return f"tl.full([1], {_init(op, dtype)}, {TL[dtype]})"
 
 
-def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, list[str], list[str]]:
-    """Triton source for one kernel; returns (source, buffer args, symbol args)."""
+def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype],
+                  checks: list | None = None) -> tuple[str, list[str], list[str]]:
+    """Triton source for one kernel; returns (source, buffer args, symbol args).  `checks`, a
+    list, gets the kernel's run-time check sites (codegen/checks.py): a kernel with any takes
+    `tf_err` (int64 slots, one a site) after its buffers, where a failing check stores its value."""
     kernel = plan.kernel
     produced = {m.buffer.name for m in plan.members}
     written = [m.buffer.into or m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
@@ -308,8 +347,14 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
     for s in plan.outer + plan.inner:
         syms |= free_syms(s)
     syms_list = sorted(syms)
-    params = ", ".join(read + written + syms_list + ["xnumel", "rnumel", "XBLOCK: tl.constexpr",
-                                                      "RBLOCK: tl.constexpr", "BIG: tl.constexpr"])
+    ranges = {f"x{j}": s for j, s in enumerate(plan.outer)} | {f"y{j}": s for j, s in enumerate(plan.inner)}
+    sites = check_sites([n for m in plan.members for n in list(walk(m.body)) + list(walk(m.store))], ranges)
+    if checks is not None:
+        checks.extend(desc + (node.args[1] if node.op == "check_index" else None,) for node, desc in sites)
+    err = ["tf_err"] if sites else []
+    TritonEmitter = functools.partial(_CheckingEmitter, {node: k for k, (node, _) in enumerate(sites)}, ranges)
+    params = ", ".join(read + written + err + syms_list + ["xnumel", "rnumel", "XBLOCK: tl.constexpr",
+                                                            "RBLOCK: tl.constexpr", "BIG: tl.constexpr"])
     out: list[str] = []
     tile = tile_dims(plan)
     numels = {"xnumel": plan.outer, "rnumel": plan.inner}
@@ -317,8 +362,8 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
         numels = {"xnumel": [plan.outer[tile[1]]], "ynumel": [plan.outer[tile[0]]]}
     jit = _jit(syms_list, numels)
     if tile is not None:
-        params = ", ".join(read + written + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
-                                                          "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
+        params = ", ".join(read + written + err + syms_list + ["xnumel", "ynumel", "XBLOCK: tl.constexpr",
+                                                                "YBLOCK: tl.constexpr", "BIG: tl.constexpr"])
         em = TritonEmitter(dtypes)
         _static_numels(em, **numels)
         _emit_tile_indices(em, plan, *tile)
@@ -360,6 +405,12 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype]) -> tuple[str, 
             suffix = "_persistent" if persistent else "_looped"
             out.append(f"{jit}\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
     return "\n\n\n".join(out), read + written, syms_list
+
+
+def _CheckingEmitter(checks: dict[Node, int], ranges: dict[str, Node], dtypes: dict[str, torch.dtype]) -> TritonEmitter:
+    em = TritonEmitter(dtypes)
+    em.checks, em.ranges = checks, ranges
+    return em
 
 
 def _jit(syms: list[str], numels: dict[str, Sequence[Node]]) -> str:

@@ -81,6 +81,7 @@ def load_module(source: str, config: Config) -> ModuleType:
         stored = False
     if stored:
         counters.bump("cache_hits_disk")
+        log.debug("torchfuse: Triton module loaded from the disk cache: %s", path)
         touch(path)
     else:
         try:
