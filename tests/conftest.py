@@ -37,8 +37,10 @@ def _torchfuse_cache_dir(tmp_path_factory: pytest.TempPathFactory):
     """A fresh kernel cache for this session (Config reads the variable when it is built), and
     a session temp folder for everything else the tests make through `tempfile` (build folders
     kept after a failed C++ build on purpose, private caches, subprocesses' TMPDIR); both are
-    removed when the session ends."""
-    cache = tmp_path_factory.mktemp("torchfuse_cache")
+    removed when the session ends.  TORCHFUSE_TEST_CACHE_DIR names a cache kept across sessions
+    instead (.ci/run runs a slice twice against one, the second time warm)."""
+    kept = os.environ.get("TORCHFUSE_TEST_CACHE_DIR")
+    cache = kept or tmp_path_factory.mktemp("torchfuse_cache")
     scratch = tmp_path_factory.mktemp("tmp")
     old = {k: os.environ.get(k) for k in ("TORCHFUSE_CACHE_DIR", "TMPDIR")}
     old_tempdir = tempfile.tempdir
@@ -52,7 +54,8 @@ def _torchfuse_cache_dir(tmp_path_factory: pytest.TempPathFactory):
         else:
             os.environ[k] = v
     shutil.rmtree(scratch, ignore_errors=True)
-    shutil.rmtree(cache, ignore_errors=True)
+    if not kept:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

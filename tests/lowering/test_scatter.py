@@ -107,14 +107,23 @@ def test_index_add_and_copy(tf, backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_out_of_range_indices_write_nothing_outside(tf, backend):
-    """Eager raises; a kernel must at least not write outside the buffer (nor anywhere)."""
-    x = torch.zeros(6)
+@pytest.mark.parametrize("op", ["index_put", "scatter_add", "index_add"])
+def test_out_of_range_indices_raise_as_eager_does(tf, backend, op):
+    """Eager raises an IndexError/RuntimeError for an index past the dim; so does the kernel's
+    check (after writing nothing outside the buffer), and in-range indices still work."""
+    fns = {"index_put": lambda x, i, v: torch.index_put(x, (i,), v * 2, accumulate=True),
+           "scatter_add": lambda x, i, v: torch.scatter_add(x, 0, i, v * 2),
+           "index_add": lambda x, i, v: torch.index_add(x, 0, i, v * 2)}
+    x, v = torch.rand(6), torch.rand(6)
     guard = torch.full((64,), 7.0)
-    index = torch.tensor([0, 6, -7, 100, 5, -1000])
-    fn = torchfuse.compile(lambda x, i, v: torch.index_put(x, (i,), v, accumulate=True), options=BACKENDS[backend])
-    out = fn(x, index, torch.ones(6))
-    assert out.tolist() == [1, 0, 0, 0, 0, 1]
+    fn = torchfuse.compile(fns[op], options=BACKENDS[backend])
+    good = torch.tensor([0, 5, 3, 3, 1, 0])
+    torch.testing.assert_close(fn(x, good, v), fns[op](x, good, v))
+    bad = torch.tensor([0, 6, 1, 100, 5, 2])
+    with pytest.raises((IndexError, RuntimeError)):
+        fns[op](x, bad, v)
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        fn(x, bad, v)
     assert (guard == 7).all()
 
 

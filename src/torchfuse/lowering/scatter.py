@@ -143,7 +143,7 @@ def _along(dim: int, size: Node, index: TensorValue, by_dim: bool):
             raw = index.load([])
         else:
             raw = index.load([idx[dim]] if by_dim else list(idx))
-        i = _wrap_index(raw, size)
+        i = _wrap_index(raw, size, f"scatter dim {dim}")
         return list(idx[:dim]) + [i] + list(idx[dim + 1:]), [(i, size)]
     return target
 
@@ -258,7 +258,7 @@ def _index_put_target(x: TensorValue, indices: list):
             if t is None:
                 sub.append(next(it))
             else:
-                i = _wrap_index(bcast_load(t, tuple(bshape), bidx, INDEX), x.shape[d])
+                i = _wrap_index(bcast_load(t, tuple(bshape), bidx, INDEX), x.shape[d], f"index_put dim {d}")
                 sub.append(i)
                 checks.append((i, x.shape[d]))
         return sub, checks
@@ -306,7 +306,7 @@ def _embedding_dense_backward(lw, grad, indices, num_weights, padding_idx, scale
     rows = lw.out_shape()[0]
 
     def target(idx):
-        i = _wrap_index(indices.load(list(idx[:k])), rows)
+        i = _wrap_index(indices.load(list(idx[:k])), rows, "embedding_dense_backward")
         return [i] + list(idx[k:]), [(i, rows)]
 
     pad = padding_idx if isinstance(padding_idx, Node) else const(padding_idx)
@@ -341,7 +341,7 @@ def _select_scatter_in_place(lw, x, src, dim, index):
         return _select_scatter(lw, x, src, dim, index)
     dim = _norm(dim, x.ndim)
     size = x.shape[dim]
-    i = _wrap_index(index if isinstance(index, Node) else const(index), size)
+    i = _wrap_index(index if isinstance(index, Node) else const(index), size, "select_scatter")
 
     def target(idx):
         return list(idx[:dim]) + [i] + list(idx[dim:]), [(i, size)]

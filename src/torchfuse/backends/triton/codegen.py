@@ -130,7 +130,9 @@ class TritonEmitter(ExprEmitter):
             bad = f"{bad} & ({self.mask})"
         b = f"f{self.count}"
         self.count += 1
-        self.line(f"{b}_m, {b}_v = tl.broadcast({bad}, {value})")
+        # (a check on sizes alone is a Python bool under the interpreter: made a tensor here)
+        self.line(f"{b}_m, {b}_v = tl.broadcast(tl.zeros([1], tl.int1) | ({bad}), "
+                  f"tl.zeros([1], tl.int64) + ({value}))")
         self.line(f"tl.store(tf_err + {site} + {b}_v * 0, {b}_v, mask={b}_m)")
 
     def _checked_divisor(self, n: Node, y: str) -> str:
