@@ -25,17 +25,19 @@ an input become scatters too, writing only the slice.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..ir.buffers import ComputedBuffer, ComputedValue, StridedValue, TensorValue, Unsupported
 from ..ir.nodes import INDEX, Node, cast, const, op, var, where
-from .graph import GraphLowering
 from .pointwise import bcast_load, register
 from .values import meta_val
 from .views import _norm, _scatter_value, _select_scatter, _slice_scatter, _wrap_index
+
+if TYPE_CHECKING:
+    from .graph import GraphLowering
 
 aten = torch.ops.aten
 

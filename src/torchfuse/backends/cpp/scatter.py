@@ -2,11 +2,16 @@
 domain, where several points may update one element."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...ir.nodes import INDEX, Node, loads, walk
 from ...scheduler.loops import LoopPlan
-from .codegen import CTYPE, STORAGE, Emitter, _emit_loops, _store_expr
+from .common import CTYPE, STORAGE, _emit_loops, _store_expr
+
+if TYPE_CHECKING:
+    from .codegen import Emitter
 
 
 def emit_scatter_kernel(em: Emitter, plan: LoopPlan, total: str, parallel_threshold: int) -> None:
