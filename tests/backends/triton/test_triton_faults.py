@@ -27,7 +27,7 @@ def _fn(x: torch.Tensor) -> torch.Tensor:
 
 def _run(cache: Path, **options) -> None:
     """Compile `_fn` afresh (no in-memory module) with its cache in `cache`; equal to eager."""
-    triton_launch._modules.clear()
+    triton_launch.forget_modules()
     torch._dynamo.reset()
     compiled = torch.compile(_fn, backend="torchfuse",
                              options={"cpu_backend": "triton", "cache_dir": str(cache), "graph_cache": False, **options})
@@ -152,7 +152,7 @@ def test_modules_count_towards_the_disk_bound(tmp_path: Path) -> None:
     funcs = [lambda x, k=k: (x * (k + 2)).sigmoid() + x.cos() * k for k in range(6)]
     x = torch.randn(5, 9)
     for fn in funcs:
-        triton_launch._modules.clear()
+        triton_launch.forget_modules()
         cache_dir._last_measured.clear()           # measure after every write, not every few seconds
         torch._dynamo.reset()
         got = torch.compile(fn, backend="torchfuse", options={"cpu_backend": "triton", "cache_dir": str(tmp_path),

@@ -111,6 +111,15 @@ def load_module(source: str, config: Config) -> ModuleType:
     return module
 
 
+def forget_modules() -> None:
+    """Drop every loaded module from memory (the next load reads the disk cache), with the
+    bookkeeping keyed by module."""
+    for module in _modules.values():
+        linecache.cache.pop(module.__file__, None)
+    _modules.clear()
+    _autotune_modules.clear()
+
+
 def _read_tuned(path: Path) -> dict[str, tuple[int, ...]]:
     """The stored autotuning winners; a damaged file or entry is ignored (tuned again)."""
     try:
