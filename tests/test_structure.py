@@ -140,8 +140,6 @@ def backend_comparisons(path: Path) -> list[str]:
 # Cycles not broken yet; the test fails when one grows or a new one appears, and asks for an
 # entry to be removed once it is gone.
 KNOWN_CYCLES = [
-    # the aot_compile program rebuilds its backend when loaded; the graph cache stores its code
-    ["torchfuse.frontend.dynamo", "torchfuse.frontend.graph_cache", "torchfuse.frontend.saved_program"],
     # the lazy mode's modules call each other through function-level imports
     ["torchfuse.lazy.capture", "torchfuse.lazy.context", "torchfuse.lazy.graph", "torchfuse.lazy.mode",
      "torchfuse.lazy.tensor", "torchfuse.lazy.trace"],

@@ -170,7 +170,7 @@ def test_wrapper_allocators_pickle_as_the_call_that_made_them(device):
     import io
     import pickle
 
-    from torchfuse.frontend.saved_program import _CodePickler
+    from torchfuse.frontend.graph_cache import _CodePickler
     from torchfuse.codegen import wrapper
     dev = None if device is None else torch.device(device)
     calls = []

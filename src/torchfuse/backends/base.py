@@ -74,7 +74,7 @@ class KernelCode:
 @dataclasses.dataclass
 class GeneratedCode:
     """What code generation made of one graph, all a restart needs to link it again without
-    running any stage (frontend/saved_program.py stores it): the wrapper, its constants, the
+    running any stage (frontend/graph_cache.py stores it): the wrapper, its constants, the
     kernel sources and argument lists, kernels identical to an earlier one, and the kernels'
     launch sites."""
     backend: str

@@ -15,10 +15,11 @@ from ..report import Explanation
 from ..config import Config
 from ..counters import counters
 from ..runtime import cudagraphs
-from .. import backends, progress
+from .. import progress
 from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
 from ..passes import check_names
 from .decompositions import decomposition_table
+from .graph_compile import compile_aten_graph
 
 log = logging.getLogger("torchfuse")
 
@@ -33,22 +34,7 @@ class TorchfuseBackend:
 
     def _compile(self, kind: str, gm: fx.GraphModule, static: set[int], training: "cudagraphs.TrainingState") -> Callable:
         """One aten graph through torchfuse (and CUDA graphs under reduce-overhead)."""
-        from ..pipeline import compile_graph
-        placeholders = list(gm.graph.find_nodes(op="placeholder"))
-        # here, not when Dynamo calls the backend: a graph-cache hit compiles nothing, and sixteen
-        # workers starting beside a warm start's Dynamo trace slowed it (resnet50: 2.7 vs 1.8 s)
-        _start_compile_workers([n.meta.get("val") for n in placeholders], self.config)
-        n_inputs = len(placeholders)
-        call = compile_graph(gm, self.config, inference=kind == "inference", kind=kind, report=self.report,
-                             static_inputs=static if kind == "inference" else None)
-        if not self.config.cudagraphs:
-            return call
-        # gm is now the graph as lowered: values hoisted out of it are trailing inputs,
-        # computed from parameters, so static too
-        hoisted = range(n_inputs, len(list(gm.graph.find_nodes(op="placeholder"))))
-        plan = cudagraphs.plan_capture(gm, kind, sorted(static | set(hoisted)))
-        article = "an" if kind[:1] in "aeiou" else "a"       # (an inference graph, a forward graph)
-        return cudagraphs.wrap(call, plan, training, self.config.cudagraph_max_sizes, f"{article} {kind} graph")
+        return compile_aten_graph(self.config, self.report, kind, gm, static, training)
 
     def _compiler(self, kind: str, training: "cudagraphs.TrainingState", cached: bool) -> Callable:
         if cached:
@@ -130,16 +116,6 @@ def _static_input_indices() -> set[int]:
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None) if context is not None else None
     return set(getattr(meta, "static_input_indices", None) or ())
-
-
-def _start_compile_workers(example_inputs: list, config: Config) -> None:
-    """Let the backends of the inputs' devices start what they need early (Triton on a GPU: its
-    compile workers), while torchfuse lowers the graph."""
-    for device_type in dict.fromkeys(x.device.type for x in example_inputs if isinstance(x, torch.Tensor)):
-        try:
-            backends.for_device(device_type, config).warm_up(config)
-        except Exception as e:    # only a head start: without workers, the kernels compile in this process
-            log.debug("torchfuse: compile workers not started: %s: %s", type(e).__name__, e)
 
 
 def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple:
@@ -245,3 +221,4 @@ def torchfuse_backend(gm: fx.GraphModule, example_inputs: list, *, mode: str | N
                       options: Mapping[str, Any] | None = None) -> Callable:
     """Entry point registered under `torch_dynamo_backends` as "torchfuse"."""
     return TorchfuseBackend(Config.from_options(options, mode=mode))(gm, example_inputs)
+

@@ -4,7 +4,7 @@ AOTAutograd consults its on-disk cache (torch/_functorch/_aot_autograd/autograd_
 forward compiler is a `SerializableAOTDispatchCompiler` whose results are `OutputCode`s, and in
 bundled mode stores those results pickled inside the entry, next to everything its runtime
 wrappers need (input mutations, aliasing, the backward).  torchfuse's result, `TorchfuseCode`,
-pickles as the code torchfuse generated (kernels and wrapper, see saved_program.py), the
+pickles as the code torchfuse generated (kernels and wrapper: `capture`, linked again by `restore`), the
 compile's kind and static inputs, and, only where a hit may have to compile it, the aten graph it
 was compiled from (torch's GraphPickler, fake tensors included): on a hit, `post_compile` links
 the code again (the kernels come from the kernel cache), or runs torchfuse's own stages on the
@@ -26,8 +26,11 @@ import contextvars
 import dataclasses
 import functools
 import hashlib
+import importlib
+import io
 import logging
 import operator
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from unittest import mock
@@ -60,6 +63,103 @@ def config_key(config: Config) -> str:
               if f.name not in ("debug", "debug_dir", "cache_dir", "progress")}   # not what is built
     return hashlib.sha256(f"{source_hash()}|{sorted(fields.items())!r}".encode()).hexdigest()[:32]
 
+
+_CODE_FORMAT = 2
+
+
+# --- the generated code of one graph ---------------------------------------------------------
+
+class _CodePickler(pickle.Pickler):
+    """Pickles a wrapper's constants: torch's modules and ops by name (they are not picklable
+    themselves), everything else as pickle does."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch._ops._OpNamespace):    # (a module subclass: before modules)
+            return _op, (obj.name,)
+        if isinstance(obj, type(torch)):
+            return importlib.import_module, (obj.__name__,)
+        if isinstance(obj, torch._ops.OpOverloadPacket):
+            ns, name = obj._qualified_op_name.split("::")
+            return _op, (ns, name)
+        if isinstance(obj, torch._ops.OpOverload):
+            return _op, (obj.namespace, obj._schema.name.split("::")[1], obj._overloadname)
+        if isinstance(obj, torch._ops.HigherOrderOperator) and hasattr(torch.ops.higher_order, obj.name()):
+            # (with_effects: a fallback with effect tokens; its pickled form fails on a closure)
+            return _op, ("higher_order", obj.name())
+        reduce = getattr(obj, "_tf_reduce", None)       # a closure that says how to make it again
+        if reduce is not None and callable(obj):
+            return reduce
+        return NotImplemented
+
+
+def _op(*path: str) -> Any:
+    out: Any = torch.ops
+    for name in path:
+        out = getattr(out, name)
+    return out
+
+
+def capture(call: Callable) -> bytes | None:
+    """The generated code behind a compiled graph's callable, as bytes `restore` takes (a
+    sha256 of the payload, then the payload); None where there is none to store (an eagerly run
+    graph, a CUDA graph wrapper) or it does not pickle."""
+    from ..runtime.static_values import StaticPrologue
+    main = call.main if isinstance(call, StaticPrologue) else call
+    code = getattr(main, "_torchfuse_code", None)
+    if code is None:
+        return None
+    static = (call.const_gm, list(call.positions), call.frozen) if isinstance(call, StaticPrologue) else None
+    payload = {"format": _CODE_FORMAT, "torch": torch.__version__, "source": source_hash(),
+               "code": code, "static": static}
+    buf = io.BytesIO()
+    try:
+        # AOTAutograd stores entries under its fake mode; a real constant (a CUDA tensor) must be
+        # copied out for pickling as the real tensor it is
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            _CodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    except Exception as e:     # a constant pickle cannot carry: loading re-runs the stages instead
+        log.info("torchfuse: generated code not stored, a restart compiles this graph again (%s: %s)",
+                 type(e).__name__, e)
+        return None
+    data = buf.getvalue()
+    return hashlib.sha256(data).digest() + data
+
+
+def restore(blob: bytes, config: Config) -> Callable | None:
+    """The callable `capture` described, its kernels from the kernel cache; None (with the
+    reason logged) when the blob is damaged or was made by other torchfuse source or torch."""
+    digest, data = blob[:32], blob[32:]
+    if hashlib.sha256(data).digest() != digest:
+        log.warning("torchfuse: stored generated code failed its checksum; compiling the graph again")
+        return None
+    try:
+        payload = pickle.loads(data)
+    except (ImportError, AttributeError) as e:   # stored by a torchfuse whose classes lived elsewhere
+        log.info("torchfuse: stored generated code is from another torchfuse (%s); compiling the graph again", e)
+        return None
+    if payload.get("format") != _CODE_FORMAT or payload["source"] != source_hash() or payload["torch"] != torch.__version__:
+        log.info("torchfuse: stored generated code is from another torchfuse or torch; compiling the graph again")
+        return None
+    from ..passes.hoist_static import HoistedValues
+    from ..pipeline import DebugWriter, build_and_link
+    from ..runtime.static_values import StaticPrologue
+    # the same build and link steps as compile_graph's, minus everything that produced their input
+    call = build_and_link(payload["code"], config, DebugWriter(config, "loaded"))
+    counters.bump("compiled_graph_loads")
+    if payload["static"] is None:
+        return call
+    const_gm, positions, frozen = payload["static"]
+    return StaticPrologue(call, HoistedValues(const_gm, positions, [], 0), frozen)
+
+
+def in_aot_compile() -> bool:
+    """Whether the backend is running for `aot_compile` (which sets these while it calls it)."""
+    cfg = torch._functorch.config
+    return bool(getattr(cfg, "bypass_autograd_cache_key", False) or getattr(cfg, "force_autograd_cache", False))
+
+
+# --- AOTAutograd's cache, keyed for torchfuse -----------------------------------------------
 
 def _torch_parts() -> tuple[Any, Any, Any, Any] | None:
     try:
@@ -96,7 +196,7 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         self._graph = b""
         self._kind, self._static, self._training = kind, set(static), training
         self._key, self._keep_graph = key, keep_graph
-        self._code: bytes | None = None     # the generated code (saved_program.py)
+        self._code: bytes | None = None     # the generated code (`capture`)
         # effect tokens the graph takes first and returns first (an op with effects: a
         # linalg.inv's error check); see _without_tokens
         self._tokens = _effect_tokens(graph[0]) if graph is not None else 0
@@ -111,7 +211,6 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         tensors took GPT-2 0.6-1.2 s of a cold compile, for entries that link their code."""
         from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
         if self._call is not None:
-            from .saved_program import capture
             self._code = capture(self._call)
         self._call = None      # (the live callable stays behind; its code, if any, travels)
         pristine, self._pristine = self._pristine, []
@@ -134,7 +233,6 @@ class TorchfuseCode(_OutputCode):  # type: ignore[misc,valid-type]
         code = getattr(self, "_code", None)
         if code is not None and reuse_code and not config.cudagraphs:
             # the stored code, linked against the kernel cache: none of torchfuse's stages run
-            from .saved_program import restore
             try:
                 self._call = restore(code, config)
             except Exception as e:      # (e.g. the kernels no longer build): compile it again
@@ -230,7 +328,6 @@ def serializable(kind: str, compile: Compile, static: Callable[[], set], trainin
     def compile_fn(gm: fx.GraphModule, example_inputs: list) -> Any:
         positions = static()
         pristine = _copy(gm)         # before torchfuse's passes rewrite it
-        from .saved_program import in_aot_compile
         return TorchfuseCode(compile(kind, gm, positions, training), pristine, kind, positions, training, key,
                              keep_graph=config.cudagraphs or in_aot_compile())
 

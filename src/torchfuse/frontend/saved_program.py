@@ -12,7 +12,7 @@ entry (what the graph cache stores: runtime wrappers, forward and backward `Torc
 the `Config` it was compiled with.  Loading registers that Config's compiler, then lets AOTAutograd
 rebuild its wrappers from the entry, which calls each `TorchfuseCode.post_compile`.
 
-Each `TorchfuseCode` carries its generated code (`capture`): the Python wrapper, its constants,
+Each `TorchfuseCode` carries its generated code (graph_cache.py's `capture`): the Python wrapper, its constants,
 the kernel sources (C++ or Triton) and the parameter-only prologue.  `restore` links that again:
 the kernels come from the kernel cache (g++ runs only if the library was evicted; Triton's
 binaries come from Triton's own cache), so torchfuse's passes, lowering, scheduling and codegen
@@ -24,9 +24,7 @@ The graph cache's restarts take the same path.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
-import io
+import functools
 import logging
 import pickle
 from typing import Any, Callable
@@ -34,100 +32,15 @@ from typing import Any, Callable
 import torch
 
 from ..config import Config
-from ..counters import counters
+from ..passes import check_names
+# (upsample_training: its torchfuse:: ops, which stored graphs may call, exist once it is imported)
+from . import graph_cache, upsample_training  # noqa: F401
+from .graph_cache import in_aot_compile  # noqa: F401  (dynamo asks here)
+from .graph_compile import compile_aten_graph
 
 log = logging.getLogger("torchfuse")
 
 _FORMAT = 2
-
-
-# --- the generated code of one graph ---------------------------------------------------------
-
-class _CodePickler(pickle.Pickler):
-    """Pickles a wrapper's constants: torch's modules and ops by name (they are not picklable
-    themselves), everything else as pickle does."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch._ops._OpNamespace):    # (a module subclass: before modules)
-            return _op, (obj.name,)
-        if isinstance(obj, type(torch)):
-            return importlib.import_module, (obj.__name__,)
-        if isinstance(obj, torch._ops.OpOverloadPacket):
-            ns, name = obj._qualified_op_name.split("::")
-            return _op, (ns, name)
-        if isinstance(obj, torch._ops.OpOverload):
-            return _op, (obj.namespace, obj._schema.name.split("::")[1], obj._overloadname)
-        if isinstance(obj, torch._ops.HigherOrderOperator) and hasattr(torch.ops.higher_order, obj.name()):
-            # (with_effects: a fallback with effect tokens; its pickled form fails on a closure)
-            return _op, ("higher_order", obj.name())
-        reduce = getattr(obj, "_tf_reduce", None)       # a closure that says how to make it again
-        if reduce is not None and callable(obj):
-            return reduce
-        return NotImplemented
-
-
-def _op(*path: str) -> Any:
-    out: Any = torch.ops
-    for name in path:
-        out = getattr(out, name)
-    return out
-
-
-def capture(call: Callable) -> bytes | None:
-    """The generated code behind a compiled graph's callable, as bytes `restore` takes (a
-    sha256 of the payload, then the payload); None where there is none to store (an eagerly run
-    graph, a CUDA graph wrapper) or it does not pickle."""
-    from ..runtime.static_values import StaticPrologue
-    from .graph_cache import source_hash
-    main = call.main if isinstance(call, StaticPrologue) else call
-    code = getattr(main, "_torchfuse_code", None)
-    if code is None:
-        return None
-    static = (call.const_gm, list(call.positions), call.frozen) if isinstance(call, StaticPrologue) else None
-    payload = {"format": _FORMAT, "torch": torch.__version__, "source": source_hash(),
-               "code": code, "static": static}
-    buf = io.BytesIO()
-    try:
-        # AOTAutograd stores entries under its fake mode; a real constant (a CUDA tensor) must be
-        # copied out for pickling as the real tensor it is
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        with unset_fake_temporarily():
-            _CodePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-    except Exception as e:     # a constant pickle cannot carry: loading re-runs the stages instead
-        log.info("torchfuse: generated code not stored, a restart compiles this graph again (%s: %s)",
-                 type(e).__name__, e)
-        return None
-    data = buf.getvalue()
-    return hashlib.sha256(data).digest() + data
-
-
-def restore(blob: bytes, config: Config) -> Callable | None:
-    """The callable `capture` described, its kernels from the kernel cache; None (with the
-    reason logged) when the blob is damaged or was made by other torchfuse source or torch."""
-    from .graph_cache import source_hash
-    digest, data = blob[:32], blob[32:]
-    if hashlib.sha256(data).digest() != digest:
-        log.warning("torchfuse: stored generated code failed its checksum; compiling the graph again")
-        return None
-    try:
-        payload = pickle.loads(data)
-    except (ImportError, AttributeError) as e:   # stored by a torchfuse whose classes lived elsewhere
-        log.info("torchfuse: stored generated code is from another torchfuse (%s); compiling the graph again", e)
-        return None
-    if payload.get("format") != _FORMAT or payload["source"] != source_hash() or payload["torch"] != torch.__version__:
-        log.info("torchfuse: stored generated code is from another torchfuse or torch; compiling the graph again")
-        return None
-    from ..passes.hoist_static import HoistedValues
-    from ..pipeline import DebugWriter, build_and_link
-    from ..runtime.static_values import StaticPrologue
-    # the same build and link steps as compile_graph's, minus everything that produced their input
-    call = build_and_link(payload["code"], config, DebugWriter(config, "loaded"))
-    counters.bump("compiled_graph_loads")
-    if payload["static"] is None:
-        return call
-    const_gm, positions, frozen = payload["static"]
-    return StaticPrologue(call, HoistedValues(const_gm, positions, [], 0), frozen)
-
 
 # --- the program aot_compile saves -----------------------------------------------------------
 
@@ -192,24 +105,16 @@ class SavedProgram(_Base):  # type: ignore[misc,valid-type]
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> "SavedProgram":
         deserialize_bundled_cache_entry = _deserialize_bundled_cache_entry()
-        from . import graph_cache
-        from .dynamo import TorchfuseBackend
         state = pickle.loads(data)
         if state.get("format") != _FORMAT:
             raise RuntimeError("torchfuse: this saved program was written by another torchfuse version; save it again")
         config = Config.from_options(state["options"])
-        backend = TorchfuseBackend(config)
+        check_names(config.passes)
         # the stored graphs name their compiler by the key they were saved with: a graph whose
         # generated code cannot be restored is compiled again with this Config
-        graph_cache.register(state["key"], backend._compile, config)
+        graph_cache.register(state["key"], functools.partial(compile_aten_graph, config, None), config)
         compiled = deserialize_bundled_cache_entry(state["entry"])
         return cls(compiled, config, state["key"])
-
-
-def in_aot_compile() -> bool:
-    """Whether the backend is running for `aot_compile` (which sets these while it calls it)."""
-    cfg = torch._functorch.config
-    return bool(getattr(cfg, "bypass_autograd_cache_key", False) or getattr(cfg, "force_autograd_cache", False))
 
 
 def check_can_save(config: Config) -> None:
@@ -217,16 +122,14 @@ def check_can_save(config: Config) -> None:
     (before compiling: AOTAutograd itself fails obscurely on a result that cannot serialize)."""
     _serializable_callable()
     _deserialize_bundled_cache_entry()
-    from .graph_cache import usable
-    if not usable(config):
+    if not graph_cache.usable(config):
         raise RuntimeError("torchfuse: aot_compile saves a program through the graph cache, which is off "
                            "(options={'graph_cache': False}, or it failed earlier in this process)")
 
 
 def wrap(compiled: Callable, config: Config) -> Callable:
     """`compiled` (AOTAutograd's result) as a SavedProgram, or a clear error why it cannot be."""
-    from .graph_cache import config_key
     if getattr(compiled, "serialize", None) is None:
         raise RuntimeError(f"torchfuse: aot_compile cannot save this program: AOTAutograd on torch "
                            f"{torch.__version__} returned no serializable result")
-    return SavedProgram(compiled, config, config_key(config))
+    return SavedProgram(compiled, config, graph_cache.config_key(config))
