@@ -10,9 +10,10 @@ and does `out[index(i)] (op)= value(i)`, where `value` is a fused expression of 
 GNN's message `x[src] * w` is computed in the scatter's own loop, never stored).  The backends
 accumulate with atomics (Triton) or `omp atomic` / compare-and-swap (C++).
 
-A negative index counts from the end, as in eager; an index still out of range after that
-writes nothing (`in_bounds`; eager raises, a kernel cannot, but it never writes outside the
-buffer).  Sums in floating point depend on the order of the adds, so with
+A negative index counts from the end, as in eager; an index still out of range after that is
+reported by its run-time check (`check_index`, codegen/checks.py: the call raises eager's
+IndexError) and writes nothing (`in_bounds`: the check hands on index 0, which would otherwise
+take the write, and an input written in place must keep its rows).  Sums in floating point depend on the order of the adds, so with
 `torch.use_deterministic_algorithms(True)` (Dynamo guards on that flag, so the choice made at
 compile time holds for every call of the compiled graph) accumulating float scatters run in ATen.
 
@@ -43,7 +44,8 @@ aten = torch.ops.aten
 
 def in_bounds(i: Node, size: Node) -> Node:
     """0 <= i < size for an index already wrapped from the end: the condition under which a
-    scatter may write (kept apart so that gathers' bounds checks can share it)."""
+    scatter may write.  The index check replaces a bad index by 0 and reports it (a gather may
+    read row 0); a store must not write there, so this condition stays beside the check."""
     return op("and", op("ge", i, const(0), dtype=torch.bool), op("lt", i, size, dtype=torch.bool), dtype=torch.bool)
 
 
