@@ -85,21 +85,37 @@ def test_heap_levels_off_over_recompiles():
                       tracemalloc.Filter(False, "*/logging/__init__.py", all_frames=True),
                       # torch's compile-event log (Dynamo's chromium trace), not torchfuse's
                       tracemalloc.Filter(False, "*/torch/_dynamo/utils.py", all_frames=True),
-                      tracemalloc.Filter(False, "*/_pytest/*", all_frames=True)]
+                      tracemalloc.Filter(False, "*/_pytest/*", all_frames=True),
+                      # AOTAutograd's own cache (key hashing, entry loading) allocates inside our
+                      # backend call and keeps about 100 bytes per hit (torch's, not torchfuse's);
+                      # matched on the innermost frame only, so that our restore path still counts
+                      tracemalloc.Filter(False, "*/torch/_functorch/_aot_autograd/*"),
+                      tracemalloc.Filter(False, "*/torch/_inductor/codecache.py")]
     try:
         held = []
+        snaps = []
         for _ in range(6):
             _compile_all_shapes(options)
             snap = tracemalloc.take_snapshot().filter_traces(only_torchfuse)
+            snaps.append(snap)
             held.append(sum(s.size for s in snap.statistics("filename")))
     finally:
         if not was_tracing:
             tracemalloc.stop()
     # 60 compiled graphs later torchfuse holds what it held before them: the steady-state slope
     # (the median growth of a round of ten compiles, robust to one step such as a dict resizing)
-    # is under 200 bytes per compile, and the total drift a few KB; keeping each compiled graph
-    # alive would add about 8 KB per graph here
-    steps = sorted(b - a for a, b in zip(held, held[1:]))
-    slope = steps[len(steps) // 2]
-    assert slope / len(SHAPES) < 200, (slope, held)
-    assert held[-1] - held[0] < 32 * 1024, held
+    # is under 200 bytes per compile, and the drift a few KB; keeping each compiled graph alive
+    # would add about 8 KB per graph here, in every round. One round may take a single step (a
+    # bounded table filling, a module imported the first time a code path runs after other tests
+    # left state behind): the drift is asserted without the largest step, which a leak cannot pass
+    # because it grows every round.
+    steps = [b - a for a, b in zip(held, held[1:])]
+    slope = sorted(steps)[len(steps) // 2]
+    biggest = max(range(len(steps)), key=lambda i: steps[i])
+
+    def grown(i: int) -> str:
+        top = snaps[i + 1].compare_to(snaps[i], "traceback")[:5]
+        return "\n".join(f"{d.size_diff:+} B\n  " + "\n  ".join(d.traceback.format()[-8:]) for d in top)
+
+    assert slope / len(SHAPES) < 200, (slope, held, grown(biggest))
+    assert held[-1] - held[0] - steps[biggest] < 32 * 1024, (held, grown(biggest))
