@@ -20,6 +20,8 @@ class Counters(collections.Counter):
       fallback_ops      aten ops executed through ATen inside compiled graphs
       eager_fallbacks   whole graphs run eagerly because a kernel failed to build
       buffers_reused_in_place  kernel outputs written into a buffer that died at that kernel
+      collectives       functional collectives (torch.distributed's `_c10d_functional` ops: tensor
+                        parallelism, FSDP2) in compiled graphs, scheduled by scheduler/overlap.py
       kernels_precompiled Triton kernels compiled in parallel before a graph's first call
       kernels_compiled_in_workers  of those, the ones a worker process compiled
       channels_last_training  Dynamo graphs of a training step re-laid channels-last before

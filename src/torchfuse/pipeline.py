@@ -37,6 +37,7 @@ from .runtime.subgraphs import compile_subgraphs
 from .scheduler.fusion import buffer_readers, schedule
 from .scheduler.loops import plan_loops
 from .scheduler.naming import name_kernels, user_ops
+from .scheduler.overlap import describe as describe_collectives
 from .scheduler.split import split_reductions
 
 log = logging.getLogger("torchfuse")
@@ -280,6 +281,12 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
                              kernel_checks=kernel_checks, triton_checks=error_slots)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
+    collectives = describe_collectives(graph_name, builder.items)
+    if collectives:          # where each collective starts and waits: what overlaps the communication
+        counters.bump("collectives", len(collectives))
+        debug.write("collectives.txt", "\n".join(collectives) + "\n")
+        if report is not None:
+            report.collectives += collectives
     debug.write("memory.txt", builder.memory.describe() + "\n")
     if report is not None:
         report.memory.append(f"{graph_name}: {builder.memory.describe()}")

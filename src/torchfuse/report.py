@@ -54,6 +54,8 @@ class Explanation:
     passes: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)   # per graph: parameter-only values hoisted out of calls
     memory: list[str] = field(default_factory=list)   # per graph: the wrapper's planned peak bytes, reuse
+    # per collective (torch.distributed's functional collectives): where it starts and waits, what runs between
+    collectives: list[str] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)   # compile wall time by stage
     output: Any = None
 
@@ -95,6 +97,9 @@ class Explanation:
         if self.memory:
             lines.append("\nmemory:")
             lines += [f"  {m}" for m in self.memory]
+        if self.collectives:
+            lines.append("\ncollectives (ATen calls; what runs between start and wait overlaps the communication):")
+            lines += [f"  {c}" for c in self.collectives]
         lines.append("\nkernels:")
         lines += [f"  {k}" for k in self.kernels] or ["  (none)"]
         lines.append("\nfallbacks to ATen:")

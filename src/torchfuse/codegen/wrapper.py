@@ -15,8 +15,10 @@ import torch
 
 from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph, is_row_major
 from ..ir.nodes import INDEX, Node, const, loads as _ir_loads, py_index
+from ..scheduler.collectives import collective_name, is_start, is_wait
 from ..scheduler.fusion import Kernel
 from ..scheduler.memory_order import returns_fresh, sink_steps, step_refs
+from ..scheduler.overlap import inputs_until_wait, overlap_collectives
 
 
 def _tuple(nodes) -> str:
@@ -153,6 +155,9 @@ class WrapperBuilder:
         # graph's kernels have run
         self.triton_checks = triton_checks or {}
         self.kernel_args = kernel_args
+        # collectives' starts early and waits late (scheduler/overlap.py), then steps later where that
+        # lowers the peak (never across a collective)
+        items = overlap_collectives(items, kernel_args, program.slices)
         self.items = _input_copies_last(sink_steps(items, kernel_args, lambda b: meta_bytes(program.buffer_meta.get(b))), kernel_args)
         self.outputs = {o for o in program.outputs if isinstance(o, str)}
         self.reused = 0
@@ -316,7 +321,7 @@ class WrapperBuilder:
                 self._fallback(item)
                 for o in item.outputs:
                     if o is not None and o in p.buffer_meta:
-                        if returns_fresh(item.target):
+                        if returns_fresh(item.target) and not is_wait(item):   # (a wait returns its input)
                             self.memory.alloc(o, p.buffer_meta[o])
                         elif item.args and isinstance(item.args[0], BufferRef):
                             self.memory.share(o, item.args[0].buffer)
@@ -520,6 +525,10 @@ class WrapperBuilder:
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
         tensors = [o for o in item.outputs if o is not None and o in self.program.buffer_meta]
         named = [o for o in item.outputs if o is not None]
+        if is_start(item):        # (named in the wrapper, which is read to see the overlap)
+            call += f"   # {collective_name(item)} starts"
+        elif is_wait(item):
+            call += "   # wait for the collective"
         if len(item.outputs) == 1 and named and not item.multi:
             L.append(f"    {named[0]} = {call}")
         elif named:
@@ -533,6 +542,8 @@ class WrapperBuilder:
             L.append(f"    {call}")
         for sym_name, buf, dim in item.binds:
             L.append(f"    {sym_name} = {buf}.size({dim})")
+        if is_start(item):
+            return      # its result is not ready: a copy would read it too early (the wait's result is checked)
         if item.target in _DENSE_RESULTS and len(tensors) == 1 and \
                 is_row_major(*self.program.buffer_meta[tensors[0]][:2]):
             return      # (no check: a host-bound graph of many small matmuls pays ~0.5 us each)
@@ -593,6 +604,10 @@ class WrapperBuilder:
                     if o is not None and o in self.program.buffer_meta:
                         last.setdefault(o, pos)
                         last[o] = max(last[o], pos)
+        # a collective reads its inputs until its wait: no del, no in-place reuse before it
+        for pos, inputs in inputs_until_wait(self.items).items():
+            for b in inputs:
+                last[b] = max(last.get(b, pos), pos)
         return last
 
 

@@ -29,6 +29,7 @@ from typing import Iterator
 from ..config import Config
 from ..ir.buffers import AliasView, BufferRef, ComputedBuffer, FallbackCall, LoweredGraph
 from ..ir.nodes import Node, const, loads, to_text, var, walk
+from .collectives import PendingWaits
 from .tiling import dim_exprs, kernel_ranges, refine, rewrite, step_of
 
 log = logging.getLogger("torchfuse.fusion")
@@ -401,7 +402,24 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
             items.append(current)
             current = None
 
+    # A collective's wait is emitted only when a step reads its result, right before the kernel
+    # that step joins: kernels not reading it overlap the communication, and the wait never
+    # splits a fusion group (scheduler/overlap.py)
+    waits = PendingWaits()
     for step in program.steps:
+        if waits.hold(step):
+            continue
+        needed = waits.needed_by(step)
+        if needed:
+            if (isinstance(step, ComputedBuffer) and step.scatter is None and current is not None and config.fuse
+                    and len(current.members) < config.max_fusion_size):
+                joined, _ = _try_join(current, step)
+                if joined is not None:
+                    items.extend(needed)       # (before `current`, which is appended when closed)
+                    current = joined
+                    continue
+            close()
+            items.extend(needed)
         if not isinstance(step, ComputedBuffer):
             close()
             items.append(step)
@@ -438,6 +456,7 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
                                                current.outer + current.inner, "kernel"))
         current.members.append(member)
     close()
+    items.extend(waits.rest())
     return Schedule(items, refused)
 
 
