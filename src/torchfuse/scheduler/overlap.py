@@ -14,9 +14,10 @@ reorder_compute_and_comm_for_overlap):
   before the kernel holding that reader (collectives.PendingWaits): a wait never splits a fusion group,
   and kernels that do not read its result run before it.
 - `overlap_collectives` (on the wrapper's steps) moves each start, with the steps computing
-  its inputs, ahead of the steps since the previous start that it does not need (a backward's
-  weight gradients then run while the input gradient is reduced), and each wait to just
-  before the first step that reads its result.
+  its inputs, ahead of the steps between the previous start and it that it does not need (a
+  backward's weight gradients then run while the input gradient is reduced); then the work
+  after each wait that does not depend on its result, up to the next start, before it; then
+  each wait to just before the first step that reads its result.
 - Starts keep their order among themselves: every rank must issue a group's collectives in
   the same order.  Nothing moves across a step with side effects (a random op, an in-place
   update, a call that binds sizes), except waits, which only block.
@@ -89,7 +90,29 @@ def overlap_collectives(items: list, kernel_args: dict[str, tuple[list[str], lis
         if others and any(order[k] is not it for k, it in enumerate(reversed(ancestors), start=lo)):
             raised += 1
         order[lo:i + 1] = ancestors[::-1] + [item] + others[::-1]
-        lo = lo + len(ancestors) + 1        # (starts keep their order: the next one stays after)
+        # The next start moves within the steps after these (starts keep their order, and the
+        # steps this one overlaps stay with it: pushed past every later start too, all of them
+        # would pile up after the last collective, each earlier one overlapping nothing, and
+        # the activations they read would live to the end)
+        lo = i + 1
+    # Work after a wait that does not depend on its result runs before it: up to the next start
+    # (which it would delay) or barrier.  (Lowering realizes a value where it is first read, so
+    # independent work often comes after the collective's reader in the steps.)
+    hoisted = 0
+    for wait in [it for it in order if is_wait(it)]:
+        p = next(k for k, it in enumerate(order) if it is wait)
+        end = next((k for k in range(p + 1, len(order)) if is_start(order[k]) or _barrier(order[k])), len(order))
+        deps = writes[id(wait)] | reads[id(wait)]
+        before, after = [], []
+        for other in order[p + 1:end]:
+            if reads[id(other)] & deps:
+                after.append(other)
+                deps |= writes[id(other)]
+            else:
+                before.append(other)
+        if before and after:
+            hoisted += 1
+        order[p:end] = before + [wait] + after
     sunk = 0
     for wait in [it for it in order if is_wait(it)][::-1]:
         p = next(k for k, it in enumerate(order) if it is wait)
@@ -98,8 +121,9 @@ def overlap_collectives(items: list, kernel_args: dict[str, tuple[list[str], lis
         if q - 1 > p:
             order.insert(q - 1, order.pop(p))
             sunk += 1
-    if raised or sunk:
-        log.debug("%s: %d collective start(s) raised, %d wait(s) sunk", graph_name, raised, sunk)
+    if raised or hoisted or sunk:
+        log.debug("%s: %d collective start(s) raised, %d wait(s) after independent work, %d wait(s) sunk",
+                  graph_name, raised, hoisted, sunk)
     return order
 
 
