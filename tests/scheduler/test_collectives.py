@@ -109,18 +109,20 @@ def test_start_raised_with_its_producers(group, tmp_path):
 
 
 def test_wait_does_not_split_a_fusion_group(group, tmp_path):
-    """Pointwise work traced between a start and its wait, and the reader after the wait, are one
-    kernel (the wait goes before it), not two kernels on either side of the wait."""
+    """A row sum realized between a start and its wait, and the element-wise epilogue reading the
+    sum and the collective's result, are one reduction kernel (the wait goes before it): with the
+    wait where Dynamo traced it, the epilogue was a second kernel after the wait."""
     def fn(x, y):
-        g = c10d.all_reduce(x.relu(), "sum", group)
+        g = c10d.all_reduce(x @ x.t(), "sum", group)
         q = torch.exp(y) * 2
-        return q + c10d.wait_tensor(g)
+        s = q.sum(1, keepdim=True)
+        return (q - s) * c10d.wait_tensor(g)
 
     torch.manual_seed(0)
-    e, steps = _explain(fn, (torch.randn(7, 10), torch.randn(7, 10)), tmp_path)
-    assert len(e.kernels) == 2, [k.name for k in e.kernels]
-    assert steps.index("start") < steps.index("wait") == len(steps) - 2, steps
-    assert steps[-1].startswith("poi_fused_exp_mul_add"), steps
+    e, steps = _explain(fn, (torch.randn(7, 3), torch.randn(7, 7)), tmp_path)
+    assert len(e.kernels) == 1, [k.name for k in e.kernels]
+    assert steps == ["aten", "start", "wait", e.kernels[0].name.split(".")[-1]], steps
+    assert e.kernels[0].kind == "reduction"
 
 
 def test_start_input_not_overwritten_before_its_wait(group, tmp_path):
