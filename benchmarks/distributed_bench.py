@@ -3,6 +3,8 @@ block) on several GPUs (NCCL) or CPU processes (gloo), eager / Inductor / torchf
 
     python benchmarks/distributed_bench.py --device cuda --world 2 --only gpt2,resnet50
     python benchmarks/distributed_bench.py --device cpu --world 2 --size tiny --steps 3   # a check
+    python benchmarks/distributed_bench.py --fsdp-tp --world 4 --tp 2        # 2-D: fsdp_tp_llama.py
+    python benchmarks/distributed_bench.py --cpu-gloo                       # the same, tiny, on CPU
 
 Models are the zoo's (zoo_models.py, training mode, fp32, TF32 off), at the zoo's "gpu" size on
 CUDA: the zoo's batch is the global batch, each rank runs its 1/world slice.  Per (model,
@@ -275,8 +277,18 @@ def main() -> None:
     ap.add_argument("--out", help="write the markdown table to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, print rank 0's GPU kernels over N steps (torch.profiler)")
+    ap.add_argument("--fsdp-tp", action="store_true",
+                    help="FSDP2 x tensor parallel Llama-style training instead of the zoo (fsdp_tp_llama.py)")
+    ap.add_argument("--tp", type=int, default=2, help="--fsdp-tp: tensor-parallel ranks (the rest is FSDP2)")
+    ap.add_argument("--cpu-gloo", action="store_true",
+                    help="--fsdp-tp smoke run: tiny model, CPU, gloo, 4 processes (2 x 2), 4 steps")
     args = ap.parse_args()
+    if args.cpu_gloo:
+        args.fsdp_tp, args.device, args.world, args.size = True, "cpu", 4, args.size or "tiny"
+        args.steps = min(args.steps, 4)
     args.size = args.size or ("gpu" if args.device == "cuda" else "tiny")
+    if args.fsdp_tp:
+        return _main_fsdp_tp(args)
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         sys.exit(f"--world {args.world} needs {args.world} GPUs; {torch.cuda.device_count()} visible")
     with socket.socket() as s:
@@ -290,6 +302,37 @@ def main() -> None:
             results = json.load(f)
     table = _table(results, args)
     print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+
+
+def _main_fsdp_tp(args) -> None:
+    import tempfile
+    import fsdp_tp_llama
+    if args.world % args.tp:
+        sys.exit(f"--world {args.world} is not a multiple of --tp {args.tp}")
+    if args.device == "cuda" and torch.cuda.device_count() < args.world:
+        sys.exit(f"--world {args.world} needs {args.world} GPUs; {torch.cuda.device_count()} visible")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.json")
+        mp.spawn(fsdp_tp_llama.worker, args=(args, port, out), nprocs=args.world)
+        with open(out) as f:
+            results = json.load(f)
+    cfg = fsdp_tp_llama.SIZES[args.size]
+    header = (f"<!-- python benchmarks/distributed_bench.py --fsdp-tp --device {args.device} --world {args.world} "
+              f"--tp {args.tp} --size {args.size} --steps {args.steps} -->\n"
+              f"Llama-style, {cfg.layers} layers, dim {cfg.dim}, {cfg.seq} tokens x {cfg.batch} sequences per step, "
+              f"mesh {args.world // args.tp} (FSDP2) x {args.tp} (TP)"
+              + (f", {results[0]['params_m']:.3g} M parameters" if results and "params_m" in results[0] else ""))
+    table = fsdp_tp_llama.table(results, header)
+    print(table)
+    for r in results:
+        if "losses" in r:
+            print(f"loss {r['backend']}: " + " ".join(f"{x:.4f}" for x in r["losses"]))
     if args.out:
         with open(args.out, "w") as f:
             f.write(table + "\n")
