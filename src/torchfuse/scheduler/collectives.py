@@ -36,6 +36,13 @@ def is_start(item: Any) -> bool:
     return namespace in _NAMESPACES and name != "wait_tensor"
 
 
+def in_place(item: Any) -> bool:
+    """A collective that writes its input (`all_reduce_`, `broadcast_`): functionalized graphs
+    have none, and where one is, collectives keep their traced places (its input's readers
+    before and after it could not be told apart)."""
+    return is_start(item) and bool(getattr(getattr(item.target, "_schema", None), "is_mutable", False))
+
+
 def collective_name(item: FallbackCall) -> str:
     return op_name(item.target)[1]
 
@@ -60,10 +67,12 @@ class PendingWaits:
 
     def __init__(self) -> None:
         self.waits: list[FallbackCall] = []
+        self.off = False
 
     def hold(self, step: Any) -> bool:
         """Keep `step` back if it is a wait (True)."""
-        if is_wait(step):
+        self.off = self.off or in_place(step)
+        if is_wait(step) and not self.off:
             self.waits.append(step)
             return True
         return False

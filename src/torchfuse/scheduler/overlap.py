@@ -30,7 +30,7 @@ import logging
 from typing import Any, Iterable
 
 from ..ir.buffers import AliasView, FallbackCall
-from .collectives import collective_name, is_start, is_wait, op_name
+from .collectives import collective_name, in_place, is_start, is_wait, op_name
 from .fusion import Kernel
 from .memory_order import _pure, step_refs
 
@@ -64,7 +64,7 @@ def overlap_collectives(items: list, kernel_args: dict[str, tuple[list[str], lis
                         slices: dict[str, tuple[str, Any]], graph_name: str = "") -> list:
     """`items` (the wrapper's steps) with each collective's start as early as its inputs allow
     and each wait as late as its readers allow (see the module's docstring)."""
-    if not any(is_start(it) for it in items):
+    if not any(is_start(it) for it in items) or any(in_place(it) for it in items):
         return list(items)
     reads = {id(it): set(step_refs(it, kernel_args)) for it in items}
     writes = {id(it): _writes(it, slices) for it in items}
