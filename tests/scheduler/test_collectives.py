@@ -85,6 +85,8 @@ def test_start_before_independent_work_wait_before_first_reader(group, tmp_path)
     (line,) = e.collectives
     assert "all_gather_into_tensor" in line and "meanwhile 2 kernel(s), 1 ATen call(s) (mm)" in line, line
     assert "collectives" in str(e)
+    assert {f.op.split(".")[1] for f in e.fallbacks if "communication" in f.reason} == \
+        {"all_gather_into_tensor", "wait_tensor"}, e.fallbacks
 
 
 def test_start_raised_with_its_producers(group, tmp_path):

@@ -25,6 +25,7 @@ from .registry import LOWERINGS, is_view
 from .values import (ATTENTION_BIAS_ARG, CONVOLUTIONS, channels_last_conv, channels_last_layout, graph_device, is_dense,
                      is_non_overlapping, layout_of, meta_val, shape_of, sym_to_node, sympy_to_node)
 from ..ir.nodes import Node, const, op, var
+from ..scheduler.collectives import is_collective_op
 
 log = logging.getLogger("torchfuse.lowering")
 
@@ -253,6 +254,8 @@ class GraphLowering:
             return
         lowering = LOWERINGS.get(target)
         reason = "no lowering for this op"
+        if is_collective_op(target):
+            reason = "communication: started early, waited for late (see the collectives)"
         odd = _dtype_without_kernels(node)
         if odd is not None:
             lowering, reason = None, f"no kernel code for {odd} (float8, complex, ... run through ATen)"

@@ -20,6 +20,11 @@ def op_name(target: Any) -> tuple[str | None, str]:
     return namespace, name
 
 
+def is_collective_op(target: Any) -> bool:
+    """An op of torch.distributed's functional collectives (a start or a wait)."""
+    return op_name(target)[0] in _NAMESPACES
+
+
 def is_wait(item: Any) -> bool:
     """A `wait_tensor` step (of a functional collective's result)."""
     if not isinstance(item, FallbackCall):
