@@ -282,12 +282,15 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2, help="--fsdp-tp: tensor-parallel ranks (the rest is FSDP2)")
     ap.add_argument("--cpu-gloo", action="store_true",
                     help="--fsdp-tp smoke run: tiny model, CPU, gloo, 4 processes (2 x 2), 4 steps")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                    help="--fsdp-tp: bf16 parameters, fp32 reduction (default: on CUDA only)")
     args = ap.parse_args()
     if args.cpu_gloo:
         args.fsdp_tp, args.device, args.world, args.size = True, "cpu", 4, args.size or "tiny"
         args.steps = min(args.steps, 4)
     args.size = args.size or ("gpu" if args.device == "cuda" else "tiny")
     if args.fsdp_tp:
+        args.bf16 = args.device == "cuda" if args.bf16 is None else args.bf16
         return _main_fsdp_tp(args)
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         sys.exit(f"--world {args.world} needs {args.world} GPUs; {torch.cuda.device_count()} visible")
@@ -324,7 +327,7 @@ def _main_fsdp_tp(args) -> None:
             results = json.load(f)
     cfg = fsdp_tp_llama.SIZES[args.size]
     header = (f"<!-- python benchmarks/distributed_bench.py --fsdp-tp --device {args.device} --world {args.world} "
-              f"--tp {args.tp} --size {args.size} --steps {args.steps} -->\n"
+              f"--tp {args.tp} --size {args.size} --steps {args.steps}{' --bf16' if args.bf16 else ''} -->\n"
               f"Llama-style, {cfg.layers} layers, dim {cfg.dim}, {cfg.seq} tokens x {cfg.batch} sequences per step, "
               f"mesh {args.world // args.tp} (FSDP2) x {args.tp} (TP)"
               + (f", {results[0]['params_m']:.3g} M parameters" if results and "params_m" in results[0] else ""))

@@ -7,9 +7,9 @@ token embedding row-wise into sequence-sharded activations, each block's norms s
 parallel, q/k/v and the MLP's w1/w3 column-wise, o and w2 row-wise back to sequence-sharded
 (so each block's graphs all-gather and reduce-scatter), the output projection column-wise to
 replicated logits.  FSDP2 (`fully_shard`) over "dp" shards each block and the root, with bf16
-parameters and fp32 gradient reduction (`MixedPrecisionPolicy`; fp32 throughout on CPU, where
-gloo's bf16 support varies).  Each block is compiled on its own (`block.compile`, static
-shapes), as torchtitan does; FSDP2's hooks run between compiled blocks.  AdamW, fixed random
+parameters and fp32 gradient reduction (`MixedPrecisionPolicy`; on CPU fp32 unless --bf16).
+Each block is compiled on its own (`block.compile`, static shapes), as torchtitan does;
+FSDP2's hooks run between compiled blocks.  AdamW, fixed random
 tokens per step (each dp rank its rows).  Per backend: the first step's seconds (compile
 included), tokens per second over the steps after the third, peak memory allocated per GPU
 (the largest rank's), and the loss of every step (averaged over dp ranks), compared with
@@ -162,8 +162,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int) -> dict:
-    """Train `steps` steps with `backend` ("eager", "inductor", "torchfuse"); the measurements."""
+def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, mixed: bool) -> dict:
+    """Train `steps` steps with `backend` ("eager", "inductor", "torchfuse"), bf16 mixed
+    precision if `mixed`; the measurements."""
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -171,7 +172,6 @@ def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int) 
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(cfg)
-    mixed = device.type == "cuda"
     parallelize(model, mesh, mixed_precision=mixed)
     if backend != "eager":
         for block in model.layers:
@@ -246,7 +246,7 @@ def worker(rank: int, args, port: int, out: str) -> None:
         results = []
         for backend in args.backends.split(","):
             try:
-                res = run(backend, cfg, mesh, device, args.steps)
+                res = run(backend, cfg, mesh, device, args.steps, args.bf16)
             except Exception as e:      # keep going; the table says what failed
                 res = dict(backend=backend, error=f"{type(e).__name__}: {e}"[:400])
             results.append(res)
