@@ -19,7 +19,7 @@ from .. import progress
 from . import channels_last_training, constant_masks, graph_cache, saved_program, upsample_training
 from ..passes import check_names
 from .decompositions import decomposition_table
-from .graph_compile import compile_aten_graph
+from .graph_compile import compile_aten_graph, workers_start_early
 
 log = logging.getLogger("torchfuse")
 
@@ -97,7 +97,7 @@ class TorchfuseBackend:
                 graph_cache.turn_off(f"{type(e).__name__}: {e}")
                 return compiled
 
-        with progress.compiling(config):
+        with progress.compiling(config), workers_start_early(example_inputs, config):
             try:
                 return compile_graph()
             except Exception as e:

@@ -4,8 +4,10 @@ runs for a graph whose stored code it cannot link.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Callable
+import threading
+from typing import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -23,8 +25,9 @@ def compile_aten_graph(config: Config, report: Explanation | None, kind: str, gm
     """One aten graph through torchfuse (and CUDA graphs under reduce-overhead)."""
     from ..pipeline import compile_graph
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    # here, not when Dynamo calls the backend: a graph-cache hit compiles nothing, and sixteen
-    # workers starting beside a warm start's Dynamo trace slowed it (resnet50: 2.7 vs 1.8 s)
+    # (usually started already by `workers_start_early`; not right when Dynamo calls the
+    # backend: a graph-cache hit compiles nothing, and sixteen workers starting beside a warm
+    # start's Dynamo trace slowed it, resnet50: 2.7 vs 1.8 s)
     _start_compile_workers([n.meta.get("val") for n in placeholders], config)
     n_inputs = len(placeholders)
     call = compile_graph(gm, config, inference=kind == "inference", kind=kind, report=report,
@@ -37,6 +40,29 @@ def compile_aten_graph(config: Config, report: Explanation | None, kind: str, gm
     plan = cudagraphs.plan_capture(gm, kind, sorted(static | set(hoisted)))
     article = "an" if kind[:1] in "aeiou" else "a"       # (an inference graph, a forward graph)
     return cudagraphs.wrap(call, plan, training, config.cudagraph_max_sizes, f"{article} {kind} graph")
+
+
+# A graph cache hit (a restart) spends about this long in the backend, or less, and needs no
+# compile workers; a miss spends seconds in AOTAutograd before torchfuse's stages, time the
+# workers can use to start (a GPT-2 on an H200: 5 s of AOTAutograd, workers ready in ~1 s).
+EARLY_START_DELAY = 0.2
+
+
+@contextlib.contextmanager
+def workers_start_early(example_inputs: list, config: Config) -> Iterator[None]:
+    """Start the inputs' backends' compile workers (`_start_compile_workers`) if the compile
+    inside this block is still running after EARLY_START_DELAY seconds: before AOTAutograd
+    has traced the graph, instead of after."""
+    if not any(isinstance(x, torch.Tensor) for x in example_inputs):
+        yield
+        return
+    timer = threading.Timer(EARLY_START_DELAY, _start_compile_workers, (list(example_inputs), config))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _start_compile_workers(example_inputs: list, config: Config) -> None:

@@ -188,24 +188,23 @@ def test_errors_come_back_and_the_worker_goes_on(setup):
 def test_workers_started_ahead_warm_up_then_take_jobs(setup):
     pool, job, cache = setup
     from triton.backends.compiler import GPUTarget
-    pool.start(GPUTarget("cuda", 90, 32))       # each compiles a kernel of its own, in a cache of its own
-    procs = [pool._slots.get() for _ in range(pool.size)]
-    assert all(p is not None and p.poll() is None for p in procs)
-    for p in procs:
-        pool._slots.put(p)
+    pool.start(GPUTarget("cuda", 90, 32), count=1)     # each compiles a kernel of its own, in a cache of its own
+    pool.start(GPUTarget("cuda", 90, 32), count=1)     # started once
+    assert pool.started == 1
+    worker, = pool._workers
+    assert worker.ready.wait(120) and worker.proc.poll() is None
     assert _errors(pool.run([job("scale")])) == [None]
+    assert pool.started == 1                     # a free worker: none added for one job
     assert len(_entries(cache)) == 1             # the warm-up kernels did not land in the cache
 
 
 def test_a_dead_worker_is_replaced(setup):
     pool, job, cache = setup
     assert _errors(pool.run([job("scale")])) == [None]
-    for _ in range(pool.size):              # kill whatever workers were started
-        proc = pool._slots.get()
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        pool._slots.put(proc)
+    for worker in pool._workers:           # kill whatever workers were started
+        if worker.proc is not None:
+            worker.proc.kill()
+            worker.proc.wait()
     assert _errors(pool.run([job("scale", block=512)])) == [None]
     assert len(_entries(cache)) == 2
 
@@ -277,3 +276,90 @@ def test_new_sizes_of_a_symbolic_graph_reuse_one_binary(setup, tmp_path):
              GPUTarget("cuda", 90, 32), str(cache)) for n in (3, 16, 1, 32)]
     assert _errors(pool.run(jobs)) == [None] * 4
     assert len(_entries(cache)) == 1, _entries(cache)
+
+
+def test_workers_are_added_for_the_jobs_beyond_the_free_ones(setup, monkeypatch):
+    """One worker per JOBS_PER_NEW_WORKER jobs that the free workers do not cover, up to the
+    pool's size: a started worker pays for itself only from about its second job."""
+    from triton.backends.compiler import GPUTarget
+    pool, job, cache = setup
+    pool.size = 4
+    pool.start(GPUTarget("cuda", 90, 32), count=1)
+    jobs = [job("scale", block=b) for b in (64, 128, 256)]      # 2 beyond the free worker: 1 more
+    assert _errors(pool.run(jobs)) == [None] * 3
+    assert pool.started == 2
+    jobs = [job("scale", dtype, block=b) for dtype in (torch.float16, torch.bfloat16) for b in (64, 128, 256, 512)]
+    assert _errors(pool.run(jobs)) == [None] * 8               # 6 beyond two free: 3 more, but 4 at most
+    assert pool.started == 4
+    assert len(_entries(cache)) == 11
+
+
+def _never_starts(target=None):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def test_jobs_no_worker_takes_run_in_the_waiting_thread(setup, monkeypatch):
+    """`Batch.help`: what is still queued runs in the thread that waits (a worker would have
+    taken it had one been free); without that thread, jobs no worker can start for come back
+    as failures, which the caller compiles itself."""
+    import threading
+    pool, job, cache = setup
+    monkeypatch.setattr(compile_workers, "_spawn", _never_starts)
+    ran = []
+    jobs = [job("scale", block=b) for b in (64, 128)]
+    batch = pool.submit(jobs, [lambda b=b: ran.append((b, threading.current_thread())) for b in (64, 128)])
+    assert batch.help() == 2
+    assert sorted(b for b, _ in ran) == [64, 128] and {t for _, t in ran} == {threading.current_thread()}
+    assert _errors(pool.wait(batch)) == [None, None]
+    assert not any(task.by_worker for task in batch.tasks)
+    answers = _errors(pool.run([job("scale")]))
+    assert answers[0].startswith("worker failed: no compile worker could be started")
+    assert not _entries(cache)
+
+
+def test_an_error_in_the_waiting_thread_is_reported_and_not_retried(setup, monkeypatch):
+    pool, job, cache = setup
+    monkeypatch.setattr(compile_workers, "_spawn", _never_starts)
+
+    def fails():
+        raise ValueError("no such kernel")
+    batch = pool.submit([job("scale")], [fails])
+    assert batch.help() == 1
+    (error, _), = pool.wait(batch)
+    assert error == "in-process: ValueError: no such kernel"
+
+
+def test_the_pool_closes_at_exit_with_no_process_left(tmp_path):
+    """A process that exits with workers starting, busy and idle leaves none behind and does not
+    hang (the pool closes at interpreter exit)."""
+    import subprocess
+    import sys
+    (tmp_path / "tf_test_kernels.py").write_text(KERNELS)
+    script = f"""
+import os, torch
+from triton.backends.compiler import GPUTarget
+from torchfuse.backends.triton import compile_workers
+target = GPUTarget("cuda", 90, 32)
+pool = compile_workers.pool(3)
+pool.start(target, count=2)
+job = ({str(tmp_path / "tf_test_kernels.py")!r}, "tf_test_kernels", "scale", (("*", "float32"), ("*", "float32"), 1024),
+       (1,), {{"XBLOCK": 1024, "num_warps": 4}}, target, {str(tmp_path / "cache")!r})
+assert pool.run([job])[0][0] is None
+pool.start(target)                       # the third: still starting at exit
+pool.submit([job[:5] + ({{"XBLOCK": 256, "num_warps": 4}},) + job[6:]])      # maybe still compiling at exit
+print("PIDS", *[w.proc.pid for w in pool._workers if w.proc is not None], flush=True)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = [int(p) for line in proc.stdout.splitlines() if line.startswith("PIDS") for p in line.split()[1:]]
+    assert len(pids) >= 2
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
+        assert "zombie" in status or not status, f"worker {pid} outlived its parent"

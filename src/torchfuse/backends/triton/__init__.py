@@ -121,15 +121,16 @@ class TritonBackend(Backend):
             return precompile(planned, config.compile_workers or default_workers())
 
     def warm_up(self, config: Config) -> None:
-        """A GPU graph's kernels compile in worker processes; start them now, so they start (import
-        Triton, compile a first kernel) while the graph is lowered."""
+        """A GPU graph's kernels compile in worker processes; start a few now, so they start
+        (import Triton, compile a first kernel) while the graph is traced and lowered.  More start
+        when a graph's kernels are known and outnumber them (compile_workers.WorkerPool.submit)."""
         if self.device_type != "cuda" or config.compile_workers == 1 or config.autotune:
             return
         from . import compile_workers, precompile
         if precompile.enabled():
             from triton.runtime.driver import driver
             compile_workers.pool(config.compile_workers or precompile.default_workers()).start(
-                driver.active.get_current_target())
+                driver.active.get_current_target(), count=compile_workers.EARLY_WORKERS)
 
     @property
     def environment(self) -> dict[str, str]:

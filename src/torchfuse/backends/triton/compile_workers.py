@@ -36,6 +36,7 @@ parent's settings and backend hash (`triton_settings`), and the worker takes bot
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -45,9 +46,8 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 log = logging.getLogger("torchfuse")
 
@@ -56,75 +56,262 @@ log = logging.getLogger("torchfuse")
 Job = tuple
 
 JOB_TIMEOUT = 300.0     # seconds a worker may take for one kernel before it is killed
+READY_TIMEOUT = 120.0   # seconds a new worker may take to import Triton and compile its warm-up kernel
+START_ATTEMPTS = 3      # a worker that failed to start this many times in a row is given up
+
+# Sizing, from timings of one worker (benchmarks/probes/worker_start.py): a fresh worker is ready
+# (interpreter, `import triton`, one warm-up compile) after ~1 s; a job then takes 0.1-0.5 s,
+# and the first compile in a process that never compiled costs ~0.5 s more.  A worker started
+# for a batch therefore pays for itself only from about its second job, and workers started
+# ahead of the graph (EARLY_WORKERS, while Dynamo and AOTAutograd run) are worth more than
+# workers started once the jobs are known.
+EARLY_WORKERS = 4
+JOBS_PER_NEW_WORKER = 2
+
+
+class Task:
+    """One job of a `Batch`, done by whoever claims it first: a worker, or the thread waiting for
+    the batch (`Batch.help`), which runs `local` instead."""
+
+    __slots__ = ("job", "local", "answer", "claimed", "by_worker")
+
+    def __init__(self, job: Job, local: Callable[[], Any] | None):
+        self.job, self.local = job, local
+        self.answer: tuple[str | None, float] | None = None
+        self.claimed = False
+        self.by_worker = False
+
+
+class Batch:
+    """Jobs submitted together (one graph's kernels); `answers` in their order once `wait` ends."""
+
+    def __init__(self, jobs: Sequence[Job], local: Sequence[Callable[[], Any] | None] | None = None):
+        self.tasks = [Task(job, fn) for job, fn in zip(jobs, local or [None] * len(jobs))]
+        self._lock = threading.Lock()
+        self._left = len(self.tasks)
+        self._done = threading.Event()
+        if not self.tasks:
+            self._done.set()
+
+    def claim(self, task: Task) -> bool:
+        with self._lock:
+            if task.claimed:
+                return False
+            task.claimed = True
+            return True
+
+    def finish(self, task: Task, answer: tuple[str | None, float]) -> None:
+        with self._lock:
+            task.answer = answer
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def cancel(self, reason: str) -> None:
+        """Answer every job nobody claimed with `reason` (the caller compiles those itself)."""
+        for task in self.tasks:
+            if self.claim(task):
+                self.finish(task, (reason, 0.0))
+
+    def help(self) -> int:
+        """Run, in this thread, each job no worker has claimed yet and that can run here: the
+        waiting thread has nothing else to do, and a job still queued means no worker was free
+        (not started yet, or busy).  Returns how many ran here."""
+        ran = 0
+        for task in self.tasks:
+            if task.local is None or not self.claim(task):
+                continue
+            start = time.perf_counter()
+            try:
+                task.local()
+                error = None
+            except Exception as e:     # the kernel fails again, with its error, on first launch
+                error = f"in-process: {type(e).__name__}: {e}"
+            self.finish(task, (error, time.perf_counter() - start))
+            ran += 1
+        return ran
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def answers(self) -> list[tuple[str | None, float]]:
+        return [task.answer or ("not compiled", 0.0) for task in self.tasks]
+
+
+class _Worker:
+    """One worker process and the thread that feeds it jobs from the pool's queue."""
+
+    def __init__(self, owner: "WorkerPool", target: Any):
+        self.owner, self.target = owner, target
+        self.proc: subprocess.Popen | None = None
+        self.busy = False          # holds a job (a worker still starting holds none)
+        self.gone = False          # could not be started: given up
+        self.ready = threading.Event()     # its process answered that it is ready for jobs
+        self.thread = threading.Thread(target=self._serve, name="torchfuse-worker", daemon=True)
+
+    def _serve(self) -> None:
+        failed_starts = 0
+        while True:
+            if not _alive(self.proc):
+                try:
+                    self.proc = _spawn(self.target)
+                    if _answer(self.proc, READY_TIMEOUT) != "ready":
+                        raise RuntimeError("no ready message")
+                    failed_starts = 0
+                    self.ready.set()
+                except Exception as e:
+                    log.debug("torchfuse: a compile worker did not start: %s: %s", type(e).__name__, e)
+                    self._kill()
+                    failed_starts += 1
+                    if failed_starts >= START_ATTEMPTS or self.owner._closed:
+                        self.gone = True
+                        return
+                    continue
+            task = self.owner._queue.get()
+            if task is None:           # the pool closes
+                return
+            batch, task = task
+            if not _alive(self.proc):     # died while idle: the job goes back, this worker restarts
+                self._kill()
+                self.owner._queue.put((batch, task))
+                continue
+            if not batch.claim(task):
+                continue              # the waiting thread took it
+            self.busy = True
+            task.by_worker = True
+            try:
+                batch.finish(task, self._run(task.job))
+            finally:
+                self.busy = False
+
+    def _run(self, job: Job) -> tuple[str | None, float]:
+        proc = self.proc
+        try:
+            pickle.dump(job, proc.stdin)
+            proc.stdin.flush()
+            return _answer(proc, JOB_TIMEOUT)
+        except Exception as e:        # the worker died or hung: the next job starts a new one
+            self._kill()
+            return f"worker failed: {type(e).__name__}: {e}", 0.0
+
+    def _kill(self) -> None:
+        self.ready.clear()
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 class WorkerPool:
-    """`size` worker processes, started on first use (or by `start`) and kept for the process."""
+    """At most `size` worker processes, each started in the background by a thread of its own
+    (`start`, or `submit` when a batch needs more) and kept for the process; jobs wait in one
+    queue for the first free worker."""
 
     def __init__(self, size: int):
         self.size = size
-        self._slots: queue.Queue = queue.Queue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()     # (batch, task), or None: a worker stops
+        self._workers: list[_Worker] = []
         self._lock = threading.Lock()
-        for _ in range(size):
-            self._slots.put(None)         # None: not started yet (or died)
+        self._closed = False
 
-    def start(self, target: Any = None) -> None:
-        """Start every worker now, without waiting: they import torch and Triton, and compile one
-        small kernel for `target` (a GPUTarget) while the caller goes on tracing and lowering.
-        A worker's first compile costs ~0.5 s more than later ones (MLIR, LLVM and ptxas starting
-        up), and a graph gives each worker only one or two kernels."""
-        for proc in self._take_idle():
-            self._slots.put(proc if _alive(proc) else _spawn(target))
+    @property
+    def started(self) -> int:
+        """Workers started (or starting) and not given up."""
+        with self._lock:
+            return sum(1 for w in self._workers if not w.gone)
+
+    def start(self, target: Any = None, count: int | None = None) -> None:
+        """Start workers up to `count` (default: `size`) now, without waiting: each imports Triton
+        and compiles one small kernel for `target` (a GPUTarget), so that its first job finds the
+        compiler started, while the caller goes on tracing and lowering."""
+        with self._lock:
+            self._add(min(self.size, self.size if count is None else count) - self._live(), target)
 
     def grow(self, size: int) -> None:
         with self._lock:
-            for _ in range(size - self.size):
-                self._slots.put(None)
             self.size = max(self.size, size)
 
-    def close(self) -> None:
-        """Stop the workers (they exit when their stdin closes)."""
-        for proc in self._take_idle():
-            if proc is not None:
-                proc.stdin.close()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+    def _live(self) -> int:
+        return sum(1 for w in self._workers if not w.gone)
 
-    def _take_idle(self) -> list[subprocess.Popen | None]:
-        """Every slot not busy with a job, taken out of the queue."""
-        taken = []
-        while True:
-            try:
-                taken.append(self._slots.get_nowait())
-            except queue.Empty:
-                return taken
+    def _add(self, count: int, target: Any) -> None:
+        self._workers = [w for w in self._workers if not w.gone]
+        for _ in range(max(0, count)):
+            if self._closed:
+                return
+            worker = _Worker(self, target)
+            self._workers.append(worker)
+            worker.thread.start()
+
+    def submit(self, jobs: Sequence[Job], local: Sequence[Callable[[], Any] | None] | None = None) -> Batch:
+        """Queue `jobs` (`local[i]`: job i done in the waiting thread instead, see `Batch.help`).
+        Workers are added where the free ones are fewer than the jobs, one per
+        JOBS_PER_NEW_WORKER jobs beyond them, up to `size`."""
+        batch = Batch(jobs, local)
+        with self._lock:
+            if self._closed:
+                batch.cancel("worker failed: the pool is closed")
+                return batch
+            free = sum(1 for w in self._workers if not w.gone and not w.busy)
+            beyond = len(batch.tasks) - free
+            if beyond > 0:
+                target = jobs[0][6] if len(jobs[0]) > 6 else None
+                self._add(min(self.size - self._live(), -(-beyond // JOBS_PER_NEW_WORKER)), target)
+        for task in batch.tasks:
+            self._queue.put((batch, task))
+        return batch
+
+    def wait(self, batch: Batch) -> list[tuple[str | None, float]]:
+        """The batch's answers, once every job is done; jobs left when no worker could be started
+        are answered with an error (their caller compiles them)."""
+        while not batch.wait(0.25):
+            with self._lock:
+                live = self._live()
+            if not live:
+                batch.cancel("worker failed: no compile worker could be started")
+        return batch.answers()
 
     def run(self, jobs: Sequence[Job]) -> list[tuple[str | None, float]]:
         """Compile `jobs`; for each, (None or the error its worker reported, seconds it took)."""
-        if not jobs:
-            return []
-        with ThreadPoolExecutor(min(self.size, len(jobs)), thread_name_prefix="torchfuse-worker") as threads:
-            return list(threads.map(self._one, jobs))
+        return self.wait(self.submit(jobs))
 
-    def _one(self, job: Job) -> tuple[str | None, float]:
-        proc = self._slots.get()
-        try:
-            if not _alive(proc):
-                proc = _spawn(job[6])            # job[6]: the target, for the warm-up
-            pickle.dump(job, proc.stdin)
-            proc.stdin.flush()
-            if not select.select([proc.stdout], [], [], JOB_TIMEOUT)[0]:
-                raise TimeoutError(f"no answer in {JOB_TIMEOUT} s")    # a hung compile: its worker goes
-            return pickle.load(proc.stdout)
-        except Exception as e:        # the worker died (or could not start): its slot starts a new one
-            if proc is not None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the workers: jobs still queued are answered with an error, each worker exits
+        when its stdin closes (after the job it is on), and one that does not is killed."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[0].claim(item[1]):
+                item[0].finish(item[1], ("worker failed: the pool is closed", 0.0))
+        for _ in workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for worker in workers:
+            worker.thread.join(max(0.0, deadline - time.monotonic()))
+            proc = worker.proc
+            if proc is None:
+                continue
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except (OSError, subprocess.TimeoutExpired):
                 proc.kill()
-            proc = None
-            return f"worker failed: {type(e).__name__}: {e}", 0.0
-        finally:
-            self._slots.put(proc)
+                proc.wait()
+
+
+def _answer(proc: subprocess.Popen, timeout: float) -> Any:
+    """The worker's next message, or TimeoutError."""
+    if not select.select([proc.stdout], [], [], timeout)[0]:
+        raise TimeoutError(f"no answer in {timeout} s")
+    return pickle.load(proc.stdout)
 
 
 def _alive(proc: subprocess.Popen | None) -> bool:
@@ -146,11 +333,12 @@ _pool_lock = threading.Lock()
 
 
 def pool(size: int) -> WorkerPool:
-    """The process-wide pool, with at least `size` workers."""
+    """The process-wide pool, of at least `size` workers at most; closed at interpreter exit."""
     global _pool
     with _pool_lock:
         if _pool is None:
             _pool = WorkerPool(size)
+            atexit.register(_pool.close, 5.0)
         elif _pool.size < size:
             _pool.grow(size)
         return _pool
@@ -421,6 +609,8 @@ def main() -> None:
             pass
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                 # prints from the compiler must not corrupt the answers
+    pickle.dump("ready", answers)     # the parent hands this worker jobs from now on
+    answers.flush()
     jobs = sys.stdin.buffer
     while True:
         try:

@@ -19,8 +19,10 @@ launches), and on Triton builds without `AsyncCompileMode`.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
@@ -80,17 +82,54 @@ def plan_launches(calls: Iterable[tuple[str, list[tuple[str, str]]]], scope: dic
 
 
 def precompile(launches: list[tuple], workers: int) -> Future | None:
-    """Compile the planned `launches` with `workers` worker processes (compile_workers.py), in the
-    background: the caller goes on (Dynamo builds its guards, AOTAutograd lowers the backward)
-    and waits on the returned future before the graph's first launch.  A launch no worker
-    compiled is compiled in a pool of threads after them.  None: nothing to compile here."""
+    """Compile the planned `launches` with up to `workers` worker processes (compile_workers.py),
+    in the background: the caller goes on (Dynamo builds its guards, AOTAutograd lowers the
+    backward) and waits on the returned future before the graph's first launch; that wait
+    compiles, in the waiting thread, the kernels no worker has taken yet (`_Pending`).  A launch
+    no worker compiled is compiled in a pool of threads after them.  None: nothing to compile."""
     if not launches or workers < 2 or not enabled():
         return None
     planned = len(launches)
     if not triton_launch._trusted:
         # a model whose kernels are all too large to verify a launcher on uses the probe's
         launches = [*launches, triton_launch.probe_launch(torch.float32)]
-    return _background.submit(_compile, launches, workers, planned)
+    pending = _Pending()
+    _background.submit(_settle, pending, launches, workers, planned)
+    return pending
+
+
+class _Pending(Future):
+    """A graph's background compile.  Its first call waits here; meanwhile it compiles, in its
+    own thread, each queued kernel no worker has taken: when the workers are still starting (a
+    graph compiled soon after the process started) or fewer than the kernels, the waiting thread
+    is the one free to compile, and a kernel compiled here is in memory for its first launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch = None                   # the worker jobs, once the background thread made them
+        self._published = threading.Event()
+
+    def publish(self, batch: Any) -> None:
+        self.batch = batch
+        self._published.set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        while not self.done() and not self._published.wait(0.01):
+            pass
+        if self.batch is not None and not self.done():
+            ran = self.batch.help()
+            if ran:
+                counters.bump("kernels_compiled_while_waiting", ran)
+        return super().result(timeout)
+
+
+def _settle(pending: _Pending, launches: list[tuple], workers: int, planned: int) -> None:
+    try:
+        pending.set_result(_compile(launches, workers, planned, pending))
+    except BaseException as e:     # (_compile catches compile errors itself)
+        pending.set_exception(e)
+    finally:
+        pending._published.set()
 
 
 # A few graphs may compile at once (a forward's kernels while the backward is lowered); each
@@ -98,12 +137,12 @@ def precompile(launches: list[tuple], workers: int) -> Future | None:
 _background = ThreadPoolExecutor(4, thread_name_prefix="torchfuse-precompile")
 
 
-def _compile(launches: list[tuple], workers: int, planned: int) -> int:
+def _compile(launches: list[tuple], workers: int, planned: int, pending: _Pending | None = None) -> int:
     """The background job: how many of the planned launches were compiled."""
     import triton
     start = time.perf_counter()
     try:
-        left = _compile_in_workers(launches, workers)
+        left = _compile_in_workers(launches, workers, pending)
         counters.add_seconds("precompile: workers", time.perf_counter() - start)
         if left:
             with ThreadPoolExecutor(workers, thread_name_prefix="torchfuse-compile") as pool:
@@ -123,6 +162,12 @@ def _compile(launches: list[tuple], workers: int, planned: int) -> int:
     return planned
 
 
+def _compile_here(launch: tuple) -> None:
+    """The launch's binary compiled in this process (what a worker would have left in the cache)."""
+    kernel, grid, args, constexprs, warps, names = launch
+    kernel.warmup(*args, grid=grid, **dict(zip(names, constexprs)), num_warps=warps)
+
+
 def _specialization(v: Any) -> Any:
     """What Triton specializes an argument on (ints: 1, divisible by 16, 32-bit range)."""
     if isinstance(v, bool) or not isinstance(v, int):
@@ -130,9 +175,9 @@ def _specialization(v: Any) -> Any:
     return ("int", v == 1, v % 16 == 0, -2**31 <= v < 2**31)
 
 
-def _compile_in_workers(launches: list[tuple], workers: int) -> list[tuple]:
-    """Compile the launches' binaries in the worker processes; returns the launches they did not
-    compile (no job could be made, or the worker failed)."""
+def _compile_in_workers(launches: list[tuple], workers: int, pending: _Pending | None = None) -> list[tuple]:
+    """Compile the launches' binaries in the worker processes (or in the thread waiting on
+    `pending`); returns the launches not compiled (no job could be made, or the worker failed)."""
     from triton.runtime.driver import driver
 
     from . import compile_workers
@@ -158,12 +203,18 @@ def _compile_in_workers(launches: list[tuple], workers: int) -> list[tuple]:
         else:
             jobs.append(job)
             job_launches.append(launch)
-    answers = compile_workers.pool(workers).run(jobs)
-    left += [launch for launch, (error, _) in zip(job_launches, answers) if error]
+    pool = compile_workers.pool(workers)
+    batch = pool.submit(jobs, [functools.partial(_compile_here, launch) for launch in job_launches])
+    if pending is not None:
+        pending.publish(batch)
+    answers = pool.wait(batch)
+    # (a kernel that failed in the waiting thread fails again, with its error, on first launch)
+    left += [launch for launch, (error, _) in zip(job_launches, answers) if error and not error.startswith("in-process")]
     errors = [e for e, _ in answers if e]
     from .launch_probe import probe
-    counters.bump("kernels_compiled_in_workers", sum(1 for launch, (error, _) in zip(job_launches, answers)
-                                                     if not error and launch[0] is not probe))
+    counters.bump("kernels_compiled_in_workers", sum(1 for launch, task in zip(job_launches, batch.tasks)
+                                                     if task.by_worker and not task.answer[0]
+                                                     and launch[0] is not probe))
     if errors:
         log.debug("torchfuse: %d of %d worker compiles failed (compiled here instead), first: %s", len(errors),
                   len(jobs), errors[0])
