@@ -363,3 +363,25 @@ print("PIDS", *[w.proc.pid for w in pool._workers if w.proc is not None], flush=
             continue
         status = Path(f"/proc/{pid}/status").read_text() if Path(f"/proc/{pid}/status").exists() else ""
         assert "zombie" in status or not status, f"worker {pid} outlived its parent"
+
+
+def test_the_waiting_thread_leaves_a_job_to_each_busy_worker(setup, monkeypatch):
+    """A busy worker takes the next job sooner than the waiting thread compiles it: of two queued
+    jobs and one busy worker, the thread runs one and leaves the other to the worker."""
+    import threading
+    pool, job, cache = setup
+    monkeypatch.setattr(compile_workers, "_spawn", _never_starts)
+    ran = []
+    batch = pool.submit([job("scale"), job("scale", block=512)], [lambda: ran.append(0), lambda: ran.append(1)])
+    batch.busy_workers = lambda: 1
+    helped = []
+    helper = threading.Thread(target=lambda: helped.append(batch.help()))
+    helper.start()
+    while not ran:
+        helper.join(0.01)
+    assert ran == [0] and helper.is_alive()            # waits for the worker to take job 1
+    last = batch.tasks[1]
+    assert batch.claim(last)                           # the worker takes it
+    batch.finish(last, (None, 0.5))
+    helper.join(30)
+    assert helped == [1] and ran == [0]

@@ -72,3 +72,86 @@ def test_split_reductions_of_a_symbolic_graph_are_planned(monkeypatch):
     # every kernel planned (a row of symbolic length: its persistent and looped variants)
     assert {n.rsplit("_", 1)[0] for n in names} == {c.split("(", 1)[1].split(",")[0].rsplit("_", 1)[0]
                                                     for c in calls}, (names, calls)
+
+
+KERNELS = '''
+import triton
+import triton.language as tl
+
+@triton.jit
+def scale(x, y, n, XBLOCK: tl.constexpr):
+    offs = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)
+    mask = offs < n
+    tl.store(y + offs, tl.load(x + offs, mask) * 2.5, mask)
+'''
+
+# A process standing for a GPU one: Triton compiles for an H100 (its wheel ships ptxas) through the
+# workers' target-only driver; `precompile` runs as for a graph, and the first call's wait is
+# `pending.result()`.
+PARENT = '''
+import importlib.util, os, sys, threading, torch, triton
+from triton.backends.compiler import GPUTarget
+from torchfuse import counters
+from torchfuse.backends.triton import compile_workers, launch, precompile
+compile_workers._use_target(GPUTarget("cuda", 90, 32))
+triton.knobs.cache.dir = {cache!r}
+launch._trusted[("test",)] = {{"x"}}                 # (no launcher probe: nothing launches here)
+spec = importlib.util.spec_from_file_location("tf_test_kernels", {module!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+launches = [(module.scale, (1,), (dtype, dtype, 1024), (block,), 4, ("XBLOCK",))
+            for dtype in (torch.float32, torch.bfloat16) for block in (256, 1024)]
+if {workers_start!r}:       # nobody waits on the future until the workers are done: they compile all
+    pending = precompile.precompile(launches, 2)
+    while not pending.done():
+        threading.Event().wait(0.05)
+    assert pending.result() == 4
+else:       # workers that never get ready: the first call's wait compiles them all, in its own thread
+    compile_workers._spawn = lambda target=None: __import__("subprocess").Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=-1, stdout=-1)
+    pending = precompile.precompile(launches, 2)
+    assert pending.result() == 4
+    assert counters["kernels_compiled_while_waiting"] == 4, dict(counters)
+    assert all(module.scale.device_caches[0][0]), "the binaries are in memory for the first launch"
+print("COUNTS", counters["kernels_compiled_in_workers"], counters["kernels_compiled_while_waiting"])
+'''
+
+
+@pytest.mark.parametrize("order", [("here", "workers"), ("workers", "here")])
+def test_kernels_compiled_while_waiting_are_the_workers_binaries(tmp_path, order):
+    """The first call's wait compiles what no worker took (here: no worker can start) in its own
+    thread; those binaries are the ones the workers make: whichever compiles a kernel first,
+    the other finds it in Triton's cache and adds no entry."""
+    import subprocess
+    import sys
+    (tmp_path / "tf_test_kernels.py").write_text(KERNELS)
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    entries = []
+    for who in order:
+        script = PARENT.format(cache=str(cache), module=str(tmp_path / "tf_test_kernels.py"),
+                               workers_start=who == "workers")
+        proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counts = next(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("COUNTS"))
+        entries.append(sorted(os.listdir(cache)))
+        if who == "workers" and len(entries) == 1:
+            assert counts == ["4", "0"]          # (nothing queued is left for the wait when workers are free)
+    assert len(entries[0]) == 4 and entries[1] == entries[0]
+
+
+def test_cpu_graphs_start_no_compile_workers(monkeypatch):
+    """C++ and the Triton interpreter compile in this process: compiling a CPU graph (for longer
+    than the early start's delay) starts no worker, and the results are eager's."""
+    from torchfuse.backends.triton import compile_workers
+    from torchfuse.frontend import graph_compile
+    started = []
+    monkeypatch.setattr(graph_compile, "EARLY_START_DELAY", 0.0)
+    monkeypatch.setattr(compile_workers, "pool", lambda size: started.append(size))
+    for cpu_backend in ("cpp", "triton"):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, y: (x * y).softmax(-1) + y.sum(0), backend="torchfuse",
+                           options={"cpu_backend": cpu_backend, "strict": True})
+        x, y = torch.randn(7, 33, dtype=torch.float64), torch.randn(33, 7, dtype=torch.float64).t()
+        torch.testing.assert_close(fn(x, y), (x * y).softmax(-1) + y.sum(0))
+    assert started == []

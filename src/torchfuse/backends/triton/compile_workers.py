@@ -90,6 +90,8 @@ class Batch:
         self._lock = threading.Lock()
         self._left = len(self.tasks)
         self._done = threading.Event()
+        self.helping = False
+        self.busy_workers: Callable[[], int] = lambda: 0     # started workers busy on a job (the pool's)
         if not self.tasks:
             self._done.set()
 
@@ -108,19 +110,29 @@ class Batch:
                 self._done.set()
 
     def cancel(self, reason: str) -> None:
-        """Answer every job nobody claimed with `reason` (the caller compiles those itself)."""
+        """Answer every job nobody claimed with `reason` (the caller compiles those itself),
+        but those a thread helping (`help`) will run."""
         for task in self.tasks:
-            if self.claim(task):
+            if (task.local is None or not self.helping) and self.claim(task):
                 self.finish(task, (reason, 0.0))
 
     def help(self) -> int:
-        """Run, in this thread, each job no worker has claimed yet and that can run here: the
-        waiting thread has nothing else to do, and a job still queued means no worker was free
-        (not started yet, or busy).  Returns how many ran here."""
+        """Run, in this thread, the jobs that no worker will take sooner: the waiting thread has
+        nothing else to do.  A job still queued means no worker was free; a worker busy on a
+        job takes the next in 0.1-0.5 s, sooner than this process compiles it (its first
+        compile ~1 s: benchmarks/probes/worker_start.py), while a worker still starting is about
+        as far off; so this thread takes the queued jobs beyond one per busy, started worker.
+        Returns how many ran here."""
         ran = 0
-        for task in self.tasks:
-            if task.local is None or not self.claim(task):
+        self.helping = True
+        while not self.done():
+            queued = [t for t in self.tasks if t.local is not None and not t.claimed]
+            if not queued:
+                break
+            if len(queued) <= self.busy_workers() or not self.claim(queued[0]):
+                self._done.wait(0.01)
                 continue
+            task = queued[0]
             start = time.perf_counter()
             try:
                 task.local()
@@ -234,6 +246,9 @@ class WorkerPool:
         with self._lock:
             self.size = max(self.size, size)
 
+    def _busy(self) -> int:
+        return sum(1 for w in list(self._workers) if w.busy and w.ready.is_set())
+
     def _live(self) -> int:
         return sum(1 for w in self._workers if not w.gone)
 
@@ -251,6 +266,7 @@ class WorkerPool:
         Workers are added where the free ones are fewer than the jobs, one per
         JOBS_PER_NEW_WORKER jobs beyond them, up to `size`."""
         batch = Batch(jobs, local)
+        batch.busy_workers = self._busy
         with self._lock:
             if self._closed:
                 batch.cancel("worker failed: the pool is closed")
