@@ -1,6 +1,7 @@
 """Cold and warm first-call time, torchfuse next to Inductor, by stage.
 
     python benchmarks/compile_bench.py --only gpt2,resnet50 [--device cuda] [--dtype bf16] [--train]
+    python benchmarks/compile_bench.py --cold --only gpt2,llama,resnet50:train --dtype bf16 --rounds 3
 
 For each zoo model and backend, two fresh processes share one new set of cache directories
 (torchfuse's, Inductor's, Triton's): the first call of the first process is the cold start, the
@@ -34,10 +35,12 @@ from zoo import TrainStep, compile_with
 from zoo_models import BY_NAME
 os.environ.update(caches)     # (importing zoo points the caches at fresh folders, for its cold timings)
 name, backend, device, dtype, train = {name!r}, {backend!r}, {device!r}, {dtype!r}, {train!r}
-tiny = compile_with({{"dynamo": "inductor", "aot": "inductor", "saved": "torchfuse", "inductor-saved": "inductor"}}.get(backend, backend), torch.nn.Linear(4, 4).to(device))
-tiny(torch.randn(2, 4, device=device)).sum().backward()
-torch._dynamo.reset()
+if not {cold!r}:     # --cold: nothing started before the timed call (compile workers, Triton's driver, g++)
+    tiny = compile_with({{"dynamo": "inductor", "aot": "inductor", "saved": "torchfuse", "inductor-saved": "inductor"}}.get(backend, backend), torch.nn.Linear(4, 4).to(device))
+    tiny(torch.randn(2, 4, device=device)).sum().backward()
+    torch._dynamo.reset()
 torchfuse.counters.seconds.clear()
+torchfuse.counters.clear()
 zm = BY_NAME[name]
 model, inputs = zm.make("gpu" if device == "cuda" else "cpu", device,
                         torch.bfloat16 if dtype == "bf16" else torch.float32)
@@ -75,15 +78,17 @@ if device == "cuda":
     torch.cuda.synchronize()
 print("RESULT", json.dumps({{"first_call_s": time.perf_counter() - t0,
                             "stages": dict(torchfuse.counters.seconds),
-                            "graphs_linked": torchfuse.counters["compiled_graph_loads"]}}))
+                            "graphs_linked": torchfuse.counters["compiled_graph_loads"],
+                            "counters": {{k: v for k, v in torchfuse.counters.items() if k.startswith("kernels_")}}}}))
 '''
 
 
 def run_child(name: str, backend: str, args: argparse.Namespace, caches: str) -> dict:
     env = dict(os.environ, TORCHFUSE_CACHE_DIR=os.path.join(caches, "torchfuse"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"), TRITON_CACHE_DIR=os.path.join(caches, "triton"))
+    name, _, mode = name.partition(":")       # "resnet50:train": a training step whatever --train says
     code = CHILD.format(bench=os.path.dirname(os.path.abspath(__file__)), name=name, backend=backend,
-                        device=args.device, dtype=args.dtype, train=args.train)
+                        device=args.device, dtype=args.dtype, train=args.train or mode == "train", cold=args.cold)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=args.timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -104,7 +109,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--cold-only", action="store_true", help="skip the warm start (the second process)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--cold", action="store_true",
+                    help="cold starts only, as on a fresh machine: nothing compiled before the timed call (compile "
+                         "workers, Triton's driver, the C++ compiler start inside it), every cache empty; the "
+                         "backends alternate, --rounds times; a model named NAME:train is a training step")
+    ap.add_argument("--rounds", type=int, default=3, help="with --cold: rounds of fresh processes")
     args = ap.parse_args()
+    if args.cold:
+        cold_table(args)
+        return
     results: dict[str, dict[str, dict]] = {}
     for name in args.only.split(","):
         for backend in args.backends.split(","):
@@ -132,6 +145,38 @@ def main() -> None:
                      f"{f(get('inductor-saved', 'warm'))} / {f(get('saved', 'warm'))} | {r(get('saved', 'warm'), iw)} | "
                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])) + " |")
     print("\n".join(lines))
+
+
+def cold_table(args: argparse.Namespace) -> None:
+    """--cold: per model, each backend's cold first call in fresh processes, backends alternating,
+    the median of the rounds; torchfuse's wait for kernel compilation ("precompile: wait") and
+    where its kernels were compiled."""
+    import statistics
+    backends = [b for b in args.backends.split(",") if b in ("torchfuse", "inductor")] or ["torchfuse", "inductor"]
+    rows = []
+    for name in args.only.split(","):
+        runs: dict[str, list[dict]] = {b: [] for b in backends}
+        for _ in range(args.rounds):
+            for backend in backends:
+                with tempfile.TemporaryDirectory(prefix="compile-bench-") as caches:
+                    result = run_child(name, backend, args, caches)
+                print(f"{name} {backend}: {json.dumps(result)}", flush=True)
+                runs[backend].append(result)
+        med = {b: statistics.median(r["first_call_s"] for r in rs) if rs and all("first_call_s" in r for r in rs)
+               else None for b, rs in runs.items()}
+        tf = [r for r in runs.get("torchfuse", []) if "first_call_s" in r]
+        wait = statistics.median(r["stages"].get("precompile: wait", 0.0) for r in tf) if tf else None
+        where = tf[-1].get("counters", {}) if tf else {}
+        rows.append((name, med.get("inductor"), med.get("torchfuse"), wait,
+                     f"{where.get('kernels_compiled_in_workers', 0)} / {where.get('kernels_compiled_while_waiting', 0)}"))
+    f = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+    print(f"\n{args.device} {args.dtype}: cold first call, fresh process, all caches empty (median of {args.rounds}, "
+          f"backends alternating), seconds")
+    print("| model | Inductor | torchfuse | tf/ind | tf waits for kernels | kernels in workers / while waiting |")
+    print("|---|---|---|---|---|---|")
+    for name, ind, tf_s, wait, where in rows:
+        ratio = "—" if ind is None or tf_s is None else f"{tf_s / ind:.2f}x"
+        print(f"| {name} | {f(ind)} | {f(tf_s)} | {ratio} | {f(wait)} | {where} |")
 
 
 def _has_cuda() -> bool:

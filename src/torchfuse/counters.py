@@ -24,6 +24,8 @@ class Counters(collections.Counter):
                         parallelism, FSDP2) in compiled graphs, scheduled by scheduler/overlap.py
       kernels_precompiled Triton kernels compiled in parallel before a graph's first call
       kernels_compiled_in_workers  of those, the ones a worker process compiled
+      kernels_compiled_while_waiting  of those, the ones the first call compiled in its own
+                        thread while it waited (no worker would have taken them sooner)
       channels_last_training  Dynamo graphs of a training step re-laid channels-last before
                         AOTAutograd (frontend/channels_last_training.py)
       constant_masks_dropped  SDPA attention masks computed from constants that mask nothing,

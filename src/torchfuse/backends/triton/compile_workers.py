@@ -15,7 +15,15 @@ compiled by the parent as before, so a failing or missing worker costs time, nev
 Workers are started with `subprocess` (fork + exec of a fresh interpreter): forking a process
 that has CUDA and threads running is not safe, and multiprocessing's spawn would re-import the
 user's `__main__`.  They read pickled jobs on stdin and answer on a private copy of stdout; stray
-prints go to stderr, which is discarded.  They exit when the parent closes their stdin.
+prints go to stderr, which is discarded.  They exit when the parent closes their stdin (the
+pool closes at interpreter exit).
+
+The pool's start is kept off the first call's path: a few workers (EARLY_WORKERS) start while
+AOTAutograd traces the graph (frontend/graph_compile.py `workers_start_early`), each tells the
+parent when it is ready (imported Triton, compiled a warm-up kernel), and only then takes jobs,
+from one queue shared by all; more start when a graph's kernels outnumber the free workers
+(`WorkerPool.submit`), and the first call's wait compiles, in its own thread, what no worker
+will take sooner (`Batch.help`).
 
 Workers do not import torch (nor torchfuse: this file runs as a script).  Importing torch took
 ~2 s of a worker's start, and 16 workers starting at once took longer: a model's first call
