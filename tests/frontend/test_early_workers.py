@@ -24,44 +24,54 @@ def _recording(monkeypatch) -> tuple[list, threading.Event]:
 
 def test_a_long_compile_starts_workers_once(monkeypatch):
     calls, fired = _recording(monkeypatch)
+    monkeypatch.setattr(graph_compile, "_starts_workers", lambda inputs, config: True)   # (meta: no backend)
     monkeypatch.setattr(graph_compile, "EARLY_START_DELAY", 0.0)
-    with graph_compile.workers_start_early([torch.randn(3, 5), 7], Config()):
+    with graph_compile.workers_start_early([torch.randn(3, 5, device="meta"), 7], Config()):
         assert fired.wait(30)
-    assert calls == [["cpu"]]
+    assert calls == [["meta"]]
 
 
 def test_a_short_compile_starts_none(monkeypatch):
     calls, fired = _recording(monkeypatch)
+    monkeypatch.setattr(graph_compile, "_starts_workers", lambda inputs, config: True)
     monkeypatch.setattr(graph_compile, "EARLY_START_DELAY", 60.0)
-    with graph_compile.workers_start_early([torch.randn(3, 5)], Config()):
+    with graph_compile.workers_start_early([torch.randn(3, 5, device="meta")], Config()):
         pass
     assert not fired.wait(0.1) and calls == []
-    with graph_compile.workers_start_early([3], Config()):      # no tensor: no device to start for
-        pass
+
+
+def test_cpp_graphs_arm_nothing(monkeypatch):
+    """C++ compiles in this process: no timer for CPU inputs (nor for inputs without tensors)."""
+    calls, fired = _recording(monkeypatch)
+    monkeypatch.setattr(graph_compile, "EARLY_START_DELAY", 0.0)
+    for inputs in ([3], [torch.randn(3, 5)]):
+        with graph_compile.workers_start_early(inputs, Config()):
+            assert not fired.wait(0.1)
     assert calls == []
 
 
-def test_the_backend_starts_them_before_aot_autograd(monkeypatch):
-    """Dynamo's backend arms the early start before AOTAutograd traces (the first aten graph
-    is compiled after the start), and the compiled function matches eager."""
-    events: list[str] = []
-    monkeypatch.setattr(graph_compile, "EARLY_START_DELAY", 0.0)
-    monkeypatch.setattr(graph_compile, "_start_compile_workers", lambda inputs, config: events.append("start"))
-    original = graph_compile.compile_aten_graph
+def test_the_backend_arms_it_before_aot_autograd(monkeypatch):
+    """Dynamo's backend arms the early start with the graph's inputs before AOTAutograd runs (the
+    aten graph is compiled inside it), and the compiled function matches eager."""
+    import contextlib
+
+    from torchfuse.frontend import dynamo
+    events: list = []
+
+    @contextlib.contextmanager
+    def recording(inputs, config):
+        events.append(("armed", [tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)]))
+        yield
+        events.append("disarmed")
+    original = dynamo.compile_aten_graph
 
     def compiled(*args, **kwargs):
-        import time
-        for _ in range(300):         # the timer fires at once; give its thread the GIL
-            if events:
-                break
-            time.sleep(0.01)
         events.append("compile")
         return original(*args, **kwargs)
-    monkeypatch.setattr(graph_compile, "compile_aten_graph", compiled)
-    from torchfuse.frontend import dynamo
+    monkeypatch.setattr(dynamo, "workers_start_early", recording)
     monkeypatch.setattr(dynamo, "compile_aten_graph", compiled)
     torch._dynamo.reset()
     fn = torch.compile(lambda x: (x * 1.5).tanh(), backend="torchfuse", options={"graph_cache": False})
     x = torch.randn(9, 13)
     torch.testing.assert_close(fn(x), (x * 1.5).tanh())
-    assert events[:2] == ["start", "compile"]
+    assert events == [("armed", [(9, 13)]), "compile", "disarmed"]

@@ -53,7 +53,7 @@ def workers_start_early(example_inputs: list, config: Config) -> Iterator[None]:
     """Start the inputs' backends' compile workers (`_start_compile_workers`) if the compile
     inside this block is still running after EARLY_START_DELAY seconds: before AOTAutograd
     has traced the graph, instead of after."""
-    if not any(isinstance(x, torch.Tensor) for x in example_inputs):
+    if not _starts_workers(example_inputs, config):
         yield
         return
     timer = threading.Timer(EARLY_START_DELAY, _start_compile_workers, (list(example_inputs), config))
@@ -63,6 +63,19 @@ def workers_start_early(example_inputs: list, config: Config) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+def _starts_workers(example_inputs: list, config: Config) -> bool:
+    """Whether a backend of the inputs' devices has something to start (C++ compiles in this
+    process: none)."""
+    from ..backends.base import Backend
+    for device_type in dict.fromkeys(x.device.type for x in example_inputs if isinstance(x, torch.Tensor)):
+        try:
+            if type(backends.for_device(device_type, config)).warm_up is not Backend.warm_up:
+                return True
+        except Exception:        # a device no backend takes: its graph fails (or falls back) later
+            continue
+    return False
 
 
 def _start_compile_workers(example_inputs: list, config: Config) -> None:
