@@ -101,6 +101,9 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 launches = [(module.scale, (1,), (dtype, dtype, 1024), (block,), 4, ("XBLOCK",))
             for dtype in (torch.float32, torch.bfloat16) for block in (256, 1024)]
+if {broken!r}:     # every worker job fails (its kernel file is gone): compiled by this process's threads
+    make = compile_workers.job_for
+    compile_workers.job_for = lambda *a, **k: ("/nonexistent/kernels.py",) + make(*a, **k)[1:]
 if {workers_start!r}:       # nobody waits on the future until the workers are done: they compile all
     pending = precompile.precompile(launches, 2)
     while not pending.done():
@@ -117,11 +120,12 @@ print("COUNTS", counters["kernels_compiled_in_workers"], counters["kernels_compi
 '''
 
 
-@pytest.mark.parametrize("order", [("here", "workers"), ("workers", "here")])
+@pytest.mark.parametrize("order", [("here", "workers"), ("workers", "here"), ("broken", "here")])
 def test_kernels_compiled_while_waiting_are_the_workers_binaries(tmp_path, order):
     """The first call's wait compiles what no worker took (here: no worker can start) in its own
     thread; those binaries are the ones the workers make: whichever compiles a kernel first,
-    the other finds it in Triton's cache and adds no entry."""
+    the other finds it in Triton's cache and adds no entry.  Jobs the workers fail are compiled
+    by this process's threads, to the same binaries."""
     import subprocess
     import sys
     (tmp_path / "tf_test_kernels.py").write_text(KERNELS)
@@ -130,13 +134,15 @@ def test_kernels_compiled_while_waiting_are_the_workers_binaries(tmp_path, order
     entries = []
     for who in order:
         script = PARENT.format(cache=str(cache), module=str(tmp_path / "tf_test_kernels.py"),
-                               workers_start=who == "workers")
+                               workers_start=who in ("workers", "broken"), broken=who == "broken")
         proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
         counts = next(line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("COUNTS"))
         entries.append(sorted(os.listdir(cache)))
         if who == "workers" and len(entries) == 1:
             assert counts == ["4", "0"]          # (nothing queued is left for the wait when workers are free)
+        if who == "broken":
+            assert counts == ["0", "0"]          # all four compiled after the workers failed them
     assert len(entries[0]) == 4 and entries[1] == entries[0]
 
 
