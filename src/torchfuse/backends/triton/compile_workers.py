@@ -45,6 +45,7 @@ parent's settings and backend hash (`triton_settings`), and the worker takes bot
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import pickle
@@ -176,6 +177,9 @@ class _Worker:
         failed_starts = 0
         while True:
             if not _alive(self.proc):
+                if self.owner._closed:
+                    self._kill()
+                    return
                 try:
                     self.proc = _spawn(self.target)
                     if _answer(self.proc, READY_TIMEOUT) != "ready":
@@ -190,8 +194,11 @@ class _Worker:
                         self.gone = True
                         return
                     continue
-            task = self.owner._queue.get()
-            if task is None:           # the pool closes
+            task = None if self.owner._closed else self.owner._queue.get()
+            if task is None:           # the pool closes: this worker exits when its stdin does
+                if self.proc is not None:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.proc.stdin.close()
                 return
             batch, task = task
             if not _alive(self.proc):     # died while idle: the job goes back, this worker restarts
@@ -317,16 +324,19 @@ class WorkerPool:
                 item[0].finish(item[1], ("worker failed: the pool is closed", 0.0))
         for _ in workers:
             self._queue.put(None)
+        # stdin closed first, all at once: one still starting exits after its warm-up (which
+        # removes its folder), one on a job after that job
+        procs = [w.proc for w in workers if w.proc is not None]
+        for proc in procs:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.close()
         deadline = time.monotonic() + timeout
         for worker in workers:
             worker.thread.join(max(0.0, deadline - time.monotonic()))
-            proc = worker.proc
-            if proc is None:
-                continue
+        for proc in procs:
             try:
-                proc.stdin.close()
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
 
