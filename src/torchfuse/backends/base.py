@@ -40,6 +40,13 @@ class Features:
     scatter_dtypes: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
     """The dtypes each accumulating scatter mode ("sum", "prod", "amax", "amin") can update in
     its kernels; the others run through ATen (lowering/scatter.py).  Plain stores take any dtype."""
+    scatter_wide_sums: bool = False
+    """A scatter-sum of fp16/bf16 values accumulates into an fp32 buffer that is rounded once
+    (lowering/scatter.py), where the kernels could otherwise round every add to 16 bits."""
+    deterministic_scatters: bool = False
+    """Its float scatter-sums and products add in an order fixed by the sizes and the thread
+    count alone (no atomics), when the buffer asks (`ComputedBuffer.deterministic`): they are
+    then lowered under `torch.use_deterministic_algorithms(True)` instead of running in ATen."""
     max_fused_cat_parts: int = 32
     """A concatenation of more parts runs through ATen's cat (lowering/views.py).  A fused cat
     tests every part's range and issues every part's (masked) load for each element: about six

@@ -118,6 +118,9 @@ class ComputedBuffer:
     scatter: str | None = None
     into: str | None = None
     scatter_index: Node | None = None
+    # the scatter's adds must come in an order that does not change from run to run
+    # (torch.use_deterministic_algorithms; Features.deterministic_scatters)
+    deterministic: bool = False
 
     @property
     def is_reduction(self) -> bool:

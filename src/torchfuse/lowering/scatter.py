@@ -49,14 +49,30 @@ def in_bounds(i: Node, size: Node) -> Node:
     return op("and", op("ge", i, const(0), dtype=torch.bool), op("lt", i, size, dtype=torch.bool), dtype=torch.bool)
 
 
-def _check_mode(lw: GraphLowering, mode: str, dtype: torch.dtype) -> None:
+def _check_mode(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
+    """Raises Unsupported where the backend cannot run the scatter; returns whether its adds
+    must come in a fixed order (a float sum or product under deterministic algorithms)."""
     if mode == "store":
-        return
-    modes = lw.backend.features.scatter_dtypes if lw.backend is not None else {}
+        return False
+    features = lw.backend.features if lw.backend is not None else None
+    modes = features.scatter_dtypes if features is not None else {}
     if dtype not in modes.get(mode, ()):
         raise Unsupported(f"no atomic {mode} of {dtype} in this backend")
     if mode in ("sum", "prod") and dtype.is_floating_point and torch.are_deterministic_algorithms_enabled():
-        raise Unsupported("deterministic algorithms: a float sum in a scatter depends on the order of its adds")
+        if not (features is not None and features.deterministic_scatters):
+            raise Unsupported("deterministic algorithms: a float sum in a scatter depends on the order of its adds")
+        return True
+    return False
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def wide_sum(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
+    """A 16-bit sum the backend accumulates in fp32 (Features.scatter_wide_sums): rounding every
+    add to bf16 gave a GCN layer's index_add 2.7x eager's error against fp64; one rounding at
+    the end is below eager's."""
+    return mode == "sum" and dtype in _HALF and lw.backend is not None and lw.backend.features.scatter_wide_sums
 
 
 def _input_in_place(lw: GraphLowering, base: TensorValue) -> str | None:
@@ -91,13 +107,24 @@ def _only_copied_over(view: fx.Node) -> bool:
 def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None, domain: Sequence[Node],
                  target: Callable[[list[Node]], tuple[list[Node], list[tuple[Node, Node]]]],
                  value: Callable[[list[Node]], Node], mode: str, *, dtype: torch.dtype | None = None,
-                 in_place: bool = True, skip: Callable[[list[Node]], Node] | None = None) -> StridedValue:
+                 in_place: bool = True, skip: Callable[[list[Node]], Node] | None = None,
+                 wide: bool = False) -> TensorValue:
     """Initialise the output (a copy of `base`, or `fill` everywhere), then for every point `i`
     of `domain` update it at `target(i)` with `value(i)` (`mode`: "store", "sum", "prod", "amax",
     "amin").  `target` returns the output index and the (index, size) pairs that must be checked
-    to be in range; `skip(i)`, if given, is true where nothing is written (a padding index)."""
+    to be in range; `skip(i)`, if given, is true where nothing is written (a padding index).
+    A 16-bit sum the backend widens (`wide_sum`) accumulates in an fp32 buffer, returned as is
+    with `wide`, else as its value rounded to `dtype` (fused into the readers)."""
     dtype = dtype or lw.out_dtype()
-    _check_mode(lw, mode, dtype)
+    if wide_sum(lw, mode, dtype):
+        acc = scatter_into(lw, base, fill, domain, target, lambda idx: cast(value(idx), torch.float32), mode,
+                           dtype=torch.float32, in_place=False, skip=skip)
+        if wide:
+            return acc
+        out = ComputedValue(lw.out_shape(), dtype, lambda idx: cast(acc.load(list(idx)), dtype))
+        out.meta, out.origins = lw.out_meta(), [lw.current.name]
+        return out
+    deterministic = _check_mode(lw, mode, dtype)
     out_shape = lw.out_shape()
     into = _input_in_place(lw, base) if in_place and base is not None else None
     if into is not None:
@@ -133,7 +160,7 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
             origins += [o for o in v.origins if o not in origins]
     origins.append(lw.current.name)
     buf = ComputedBuffer(name, dtype, layout, tuple(domain), body, origins=origins,
-                         scatter=mode, into=into, scatter_index=store)
+                         scatter=mode, into=into, scatter_index=store, deterministic=deterministic)
     lw.steps.append(buf)
     lw.buffer_meta[name] = lw.buffer_meta[into]
     return StridedValue(name, layout, dtype)
@@ -152,7 +179,7 @@ def _along(dim: int, size: Node, index: TensorValue, by_dim: bool):
     return target
 
 
-def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True):
+def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True, wide=False):
     if x.ndim == 0 or index.ndim != x.ndim:
         raise Unsupported("scatter of a 0-d tensor or with an index of other rank")
     dim = _norm(dim, x.ndim)
@@ -165,7 +192,7 @@ def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True):
             info = torch.iinfo(dtype)
             ident = info.min if mode == "amax" else info.max
         x = scatter_into(lw, x, None, index.shape, target, lambda idx: const(ident, dtype), "store", in_place=False)
-    return scatter_into(lw, x, None, index.shape, target, src_load, mode)
+    return scatter_into(lw, x, None, index.shape, target, src_load, mode, wide=wide)
 
 
 @register(aten.scatter_add.default)
@@ -215,19 +242,21 @@ def _scatter_reduce(lw, x, dim, index, src, reduce, *, include_self=True):
 def _scatter_mean(lw, x, dim, index, src, include_self):
     """sum / count, where count counts the values scattered to each position (plus one for
     `self` when included); positions nothing reaches keep `self`.  Integer means floor, as eager."""
-    dtype = lw.out_dtype()
-    total = _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), "sum", include_self)
+    dtype = out_dtype = lw.out_dtype()
+    total = _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), "sum", include_self, wide=True)
+    if wide_sum(lw, "sum", dtype):
+        dtype = torch.float32        # sum, count and quotient in fp32, rounded once
     ones = const(1, dtype)
     _check_mode(lw, "sum", dtype)
     count = scatter_into(lw, None, 1 if include_self else 0, index.shape,
                          _along(_norm(dim, x.ndim), x.shape[_norm(dim, x.ndim)], index, by_dim=False),
-                         lambda idx: ones, "sum", in_place=False)
+                         lambda idx: ones, "sum", in_place=False, dtype=dtype)
 
     def body(idx):
         s, n = total.load(list(idx)), count.load(list(idx))
         n = where(op("eq", n, const(0, dtype), dtype=torch.bool), const(1, dtype), n)
-        return op("truediv" if dtype.is_floating_point else "pyfloordiv", s, n, dtype=dtype)
-    return ComputedValue(lw.out_shape(), dtype, body)
+        return cast(op("truediv" if dtype.is_floating_point else "pyfloordiv", s, n, dtype=dtype), out_dtype)
+    return ComputedValue(lw.out_shape(), out_dtype, body)
 
 
 def _index_put_target(x: TensorValue, indices: list):

@@ -27,6 +27,11 @@ class CppBackend(Backend):
         # through ATen's cat, which copies the stored parts in one pass, above 4 parts
         max_fused_cat_parts=4,
         scatter_dtypes=scatter.SCATTER_DTYPES,
+        # 16-bit sums go through fp32 (an fp32 atomic or a private copy is also faster than a
+        # 16-bit compare-and-swap), and a deterministic scatter runs serially or through the
+        # per-thread copies, combined in thread order (scatter.py)
+        scatter_wide_sums=True,
+        deterministic_scatters=True,
     )
 
     def split_params(self, num_threads: int, min_chunk: int = 0) -> SplitParams:

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 def emit_scatter_kernel(em: Emitter, plan: LoopPlan, total: str, parallel_threshold: int) -> None:
     """The body of a scatter kernel (`kernel.scatter`): a serial variant without atomics, a
-    parallel one with per-thread copies (_privatizes) and one with atomic updates."""
+    parallel one with per-thread copies (_privatizes) and one with atomic updates (serial when
+    the scatter must be deterministic).  With a given thread count, all but the atomic one add
+    in a fixed order: run to run, the same bits."""
     # One thread (or too little work to share) needs no atomics: a plain read-modify-write
     # per element runs ~4x faster (a locked compare-and-swap costs ~10 ns here)
     em.line(f"if (omp_get_max_threads() == 1 || ({total}) < {parallel_threshold}) {{")
@@ -31,7 +33,10 @@ def emit_scatter_kernel(em: Emitter, plan: LoopPlan, total: str, parallel_thresh
         em.pop()
     em.line("} else {")
     em.push()
-    _emit_scatter_loops(em, plan, "", atomic=True)
+    # deterministic: no atomics, whose adds land in whatever order the threads reach them (the
+    # copies above are combined in thread order, so they stay); else the loop runs serially
+    deterministic = plan.kernel.scatter.deterministic
+    _emit_scatter_loops(em, plan, None if deterministic else "", atomic=not deterministic)
     em.pop()
     em.line("}")
 
