@@ -169,6 +169,19 @@ static inline float tf_tanhf(float x) {
   return a < 0.625f ? std::copysign(small, x) : (x != x ? x : big);   // copysign: tanh(-0.0) = -0.0
 }
 static inline float tf_sigmoidf(float x) { return 1.0f / (1.0f + tf_expf(-x)); }
+// expm1 without a libm call, so the loop vectorizes (an ELU's scalar std::expm1 took 16 of a GAT
+// layer's 36 ms): exp(x) - 1 outside (-1, 1.5) (the cancellation costs under an ulp there), and
+// inside its series to x^13 (truncated below 1e-8 relative), as x * (1 + x * p) so that
+// -0 stays -0 and a subnormal x returns x.  Both run in every lane; a select picks one.
+static inline float tf_expm1f(float x) {
+  float p = 1.6059043836e-10f;
+  p = p * x + 2.0876756988e-9f; p = p * x + 2.5052108385e-8f; p = p * x + 2.7557319224e-7f; p = p * x + 2.7557319224e-6f; p = p * x + 2.4801587302e-5f;
+  p = p * x + 1.9841269841e-4f; p = p * x + 1.3888888889e-3f; p = p * x + 8.3333333333e-3f;
+  p = p * x + 4.1666666667e-2f; p = p * x + 1.6666666667e-1f; p = p * x + 0.5f;
+  float small = x * (1.0f + x * p);
+  float big = tf_expf(x) - 1.0f;
+  return x > -1.0f && x < 1.5f ? small : big;      // (NaN: big, which is NaN)
+}
 static inline float tf_erff(float x) {
   float a = std::fabs(x);
   float z = x * x;
@@ -273,7 +286,7 @@ _FN = {
     "truncdiv": "tf_truncdiv", "pow": "tf_pow", "lshift": "tf_lshift", "rshift": "tf_rshift",
 }
 _VEC_F32 = {"exp": "tf_expf", "log": "tf_logf", "tanh": "tf_tanhf", "sigmoid": "tf_sigmoidf", "erf": "tf_erff",
-            "sin": "tf_sinf", "cos": "tf_cosf"}
+            "sin": "tf_sinf", "cos": "tf_cosf", "expm1": "tf_expm1f"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
           "gt": ">", "ge": ">=", "and": "&&", "or": "||", "xor": "!=", "bitand": "&", "bitor": "|", "bitxor": "^"}
 
