@@ -112,6 +112,8 @@ def _base_table() -> dict:
             rows = weight.index_select(0, indices.reshape(-1))
             return rows.view(*indices.shape, weight.shape[1])
         _table[aten.embedding.default] = embedding
+        from .index_decompositions import table as index_table
+        _table.update(index_table())
         from .upsample_training import interpolate as upsample_forward
         _table[torch.ops.torchfuse.upsample.default] = upsample_forward
     from ..extend import decompositions as user_decompositions
