@@ -18,6 +18,14 @@ The rewrite is exact: `base[idx] += values` with one index tensor on dim 0 adds 
 does the same, given non-negative indices (index_put counts negative ones from the end).  Only on
 the devices in `ctx.index_add_devices` (CUDA): on the CPU, index_put's serial loop beats
 index_add's one tensor add per index for the narrow rows these gradients have.
+
+Why it stays now that accumulating index_put and index_add both lower to the same scatter kernel
+(lowering/scatter.py; Triton's atomic sums cover every dtype this pass rewrites): on the CPU it
+never ran, and enabling it there changed nothing (same kernels; a [169, 3] position-bias and a
+[100k, 64] gather gradient timed alike, 1 thread), so there is nothing to remove there.  On CUDA
+it is a no-op for graphs the lowering takes, but it still decides what ATen runs whenever the
+index_put is left to ATen (`fuse` off, a graph that falls back, a lowering refused for another
+reason): ATen's sorting index_put against one atomic index_add, unmeasured on a GPU since.
 """
 from __future__ import annotations
 
