@@ -15,7 +15,10 @@ reported by its run-time check (`check_index`, codegen/checks.py: the call raise
 IndexError) and writes nothing (`in_bounds`: the check hands on index 0, which would otherwise
 take the write, and an input written in place must keep its rows).  Sums in floating point depend on the order of the adds, so with
 `torch.use_deterministic_algorithms(True)` (Dynamo guards on that flag, so the choice made at
-compile time holds for every call of the compiled graph) accumulating float scatters run in ATen.
+compile time holds for every call of the compiled graph) accumulating float scatters run in ATen,
+unless the backend's scatters can add in a fixed order (Features.deterministic_scatters: the
+buffer is marked `deterministic`).  A 16-bit sum accumulates in an fp32 buffer where the backend
+says so (Features.scatter_wide_sums), rounded once by its readers.
 
 In place: when the scatter's `self` is a graph input that the graph then overwrites with the
 result (AOTAutograd's `copy_` epilogue of a mutated input: a static KV cache's
