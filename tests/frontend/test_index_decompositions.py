@@ -109,5 +109,6 @@ def test_take_put_index_fill(tf, backend):
 def test_empty_indices(tf, backend):
     x = tf.rand((4, 3))
     none = torch.zeros(0, dtype=torch.int64)
-    tf.check(lambda x, i: (torch.take(x, i) * 2, x.put(i, x[:0, 0], accumulate=True) + 1,
-                           x.index_fill(0, i, -1.0) * 3), x, none, options=BACKENDS[backend])
+    tf.check(lambda x, i, one: (torch.take(x, i) * 2, x.put(i, x[:0, 0], accumulate=True) + 1,
+                                x.index_fill(0, i, -1.0) * 3, torch.take(x, one) + 1), x, none, torch.tensor(-5),
+             options=BACKENDS[backend])      # (a 0-d index: the stock take read it with .item())

@@ -11,7 +11,8 @@ the decomposed ops' own (gathers become accumulating scatters, scatters become g
         here too: a gather of the output's gradient by bag into an accumulating scatter into the
         table (embedding_dense_backward), and a row dot for the per-sample weights.  Mode max,
         scale_grad_by_freq and sparse gradients stay in ATen.
-    take: a gather from the flattened tensor (stock decomposition).
+    take: a gather from the flattened tensor (aten.index: the stock decomposition's x[index]
+        reads a 0-d index as a Python int, a data-dependent .item()).
     index_fill: index_copy of the broadcast value (stock).
     put: index_put into the flattened tensor (accumulating or not).
 """
@@ -24,7 +25,7 @@ from torch._decomp import get_decompositions
 
 aten = torch.ops.aten
 
-STOCK = [aten.take, aten.index_fill]
+STOCK = [aten.index_fill]
 
 
 def _embedding_bag(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
@@ -36,23 +37,26 @@ def _embedding_bag(weight: torch.Tensor, indices: torch.Tensor, offsets: torch.T
         return NotImplemented
     n, bags = indices.shape[0], offsets.shape[0] - (1 if include_last_offset else 0)
     bag = _bag_of_each(indices, offsets, bags)
-    rows = weight.index_select(0, indices)
+    # 16-bit tables: weighted, summed and divided in fp32 and rounded once, as eager's kernel
+    # does (the bf16 product and quotient rounded twice more: 1.2x eager's error vs fp64)
+    acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+    rows = weight.index_select(0, indices).to(acc)
     if per_sample_weights is not None:
-        rows = rows * per_sample_weights.unsqueeze(1)
+        rows = rows * per_sample_weights.unsqueeze(1).to(acc)
     keep = None
     if padding_idx >= 0:
         keep = indices != padding_idx
-        rows = torch.where(keep.unsqueeze(1), rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-    out = torch.zeros(bags, weight.shape[1], dtype=weight.dtype, device=weight.device).index_add(0, bag, rows)
+        rows = torch.where(keep.unsqueeze(1), rows, torch.zeros((), dtype=acc, device=rows.device))
+    out = torch.zeros(bags, weight.shape[1], dtype=acc, device=weight.device).index_add(0, bag, rows)
     index_dtype = torch.int64
     if mode == 1:
         ones = keep.to(index_dtype) if keep is not None else torch.ones(n, dtype=index_dtype, device=indices.device)
         count = torch.zeros(bags, dtype=index_dtype, device=indices.device).index_add(0, bag, ones)
-        out = out / count.clamp(min=1).unsqueeze(1).to(out.dtype)
-        return out, bag.to(index_dtype), count, count.clone()
+        out = out / count.clamp(min=1).unsqueeze(1).to(acc)
+        return out.to(weight.dtype), bag.to(index_dtype), count, count.clone()
     zeros = torch.zeros(bags, dtype=index_dtype, device=indices.device)
     # (eager's sum returns no bag per index: its backward finds them from the offsets, as ours does)
-    return out, torch.zeros(0, dtype=index_dtype, device=indices.device), zeros, zeros.clone()
+    return out.to(weight.dtype), torch.zeros(0, dtype=index_dtype, device=indices.device), zeros, zeros.clone()
 
 
 def _bag_of_each(indices: torch.Tensor, offsets: torch.Tensor, bags: int) -> torch.Tensor:
@@ -109,6 +113,10 @@ def _per_sample_weights_backward(grad: torch.Tensor, weight: torch.Tensor, indic
     return dot
 
 
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return aten.index(x.reshape(-1), [index])
+
+
 def _put(x: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
     flat = x.reshape(-1)
     return aten.index_put(flat, [index.reshape(-1)], source.reshape(-1), accumulate).view(x.shape)
@@ -123,4 +131,5 @@ def table() -> dict:
     out[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
     out[aten._embedding_bag_per_sample_weights_backward.default] = _per_sample_weights_backward
     out[aten.put.default] = _put
+    out[aten.take.default] = _take
     return out
