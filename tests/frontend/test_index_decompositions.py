@@ -1,6 +1,8 @@
 """Indexing ops decomposed into fused gathers and scatters (frontend/index_decompositions.py):
 embedding_bag (sum and mean), take, index_fill and put, forward and backward, against eager on
-both backends; kernel counts and the ops left in ATen asserted."""
+both backends; kernel counts and the ops left in ATen asserted.  Embedding bags decompose only on
+backends that ask (Features.embedding_bag_kernels): the C++ backend keeps ATen's, whose CPU
+kernel was faster; the tests force the decomposition there to check it too."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,15 @@ import torch.nn.functional as F
 import torchfuse
 
 BACKENDS = {"cpp": {}, "triton": {"cpu_backend": "triton"}}
+
+
+@pytest.fixture
+def bag_kernels_on_cpp(monkeypatch):
+    """The C++ backend with embedding-bag decompositions on (off by default: ATen's is faster)."""
+    import dataclasses
+
+    from torchfuse.backends.cpp import CppBackend
+    monkeypatch.setattr(CppBackend, "features", dataclasses.replace(CppBackend.features, embedding_bag_kernels=True))
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-2, 5e-2), torch.float16: (1e-2, 1e-2)}
 ROUTING = {"aten.searchsorted.Tensor"}        # each index's bag: a routing op, left to ATen
 
@@ -25,7 +36,7 @@ def _bags(n=41, bags=9, rows=23, index_dtype=torch.int64):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("last", [False, True])
-def test_embedding_bag_sum_weighted_and_mean_padded(tf, backend, index_dtype, last):
+def test_embedding_bag_sum_weighted_and_mean_padded(tf, bag_kernels_on_cpp, backend, index_dtype, last):
     w = tf.rand((23, 6)).requires_grad_()
     psw = tf.rand((41,)).requires_grad_()
     idx, off = _bags(index_dtype=index_dtype)
@@ -47,7 +58,7 @@ def test_embedding_bag_sum_weighted_and_mean_padded(tf, backend, index_dtype, la
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_embedding_bag_half_inference(tf, backend, dtype):
+def test_embedding_bag_half_inference(tf, bag_kernels_on_cpp, backend, dtype):
     w = tf.rand((23, 8), dtype)
     idx, off = _bags(n=60)
     atol, rtol = TOL[dtype]
@@ -62,7 +73,7 @@ def test_embedding_bag_half_inference(tf, backend, dtype):
     assert [f.op for f in e.fallbacks] == ["aten.searchsorted.Tensor"], e
 
 
-def test_embedding_bag_all_outputs_and_max_stays(tf):
+def test_embedding_bag_all_outputs_and_max_stays(tf, bag_kernels_on_cpp):
     """The aten op called directly: its four outputs as eager's (bag of each index, bag sizes);
     mode max stays in ATen."""
     w = tf.rand((23, 6))
@@ -79,9 +90,18 @@ def test_embedding_bag_all_outputs_and_max_stays(tf):
     assert len(e.fallbacks) == 1
 
 
+def test_embedding_bag_stays_in_aten_on_cpp(tf):
+    w = tf.rand((23, 6)).requires_grad_()
+    idx, off = _bags()
+    e = tf.check_grad(lambda w, i, o: F.embedding_bag(i, w, o, mode="mean").tanh(), w, idx, off,
+                      allow_fallbacks={"aten._embedding_bag.default", "aten._embedding_bag_backward.default"},
+                      atol=1e-5, rtol=1e-5)
+    assert sorted(f.op for f in e.fallbacks) == ["aten._embedding_bag.default", "aten._embedding_bag_backward.default"]
+
+
 def test_embedding_bag_out_of_range_raises():
     w = torch.rand(10, 4)
-    fn = torchfuse.compile(lambda w, i, o: F.embedding_bag(i, w, o) * 2)
+    fn = torchfuse.compile(lambda w, i, o: F.embedding_bag(i, w, o) * 2, options=BACKENDS["triton"])
     with pytest.raises((IndexError, RuntimeError)):
         fn(w, torch.tensor([1, 10, 2]), torch.tensor([0, 1]))
 

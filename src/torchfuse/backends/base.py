@@ -47,6 +47,9 @@ class Features:
     """Its float scatter-sums and products add in an order fixed by the sizes and the thread
     count alone (no atomics), when the buffer asks (`ComputedBuffer.deterministic`): they are
     then lowered under `torch.use_deterministic_algorithms(True)` instead of running in ATen."""
+    embedding_bag_kernels: bool = True
+    """embedding_bag (sum, mean) and its backward decompose into gathers and scatters
+    (frontend/index_decompositions.py) rather than running ATen's kernels."""
     max_fused_cat_parts: int = 32
     """A concatenation of more parts runs through ATen's cat (lowering/views.py).  A fused cat
     tests every part's range and issues every part's (masked) load for each element: about six

@@ -53,6 +53,9 @@ def decomposition_table(config: Config | None = None) -> dict:
     decomposes to the low-memory form on devices whose backend pools in its kernels
     (backends.base.Features.pooling: not the C++ backend, which leaves pooling to ATen)."""
     base = _base_table()
+    if config is not None:
+        from .index_decompositions import embedding_bag_table
+        base = {**embedding_bag_table(config), **base}     # (a user's own decomposition wins)
     from ..lowering.pool import POOL_WITH_OFFSETS
     if config is None or POOL_WITH_OFFSETS is None or aten.max_pool2d_with_indices.default in base:
         return base     # (a user's own decomposition of max pooling wins)
