@@ -10,7 +10,7 @@ then traces forward and backward with the strides that follow (batch-norm statis
 column reductions, which the C++ backend's column plan runs at bandwidth).  A 4-d graph output
 that eager gives contiguous is made contiguous again, so callers see eager's strides.
 
-Each k x k weight is copied to channels-last once in the graph too (else ATen copies it in every
+Each k x k weight (and a graph input that requires grad) is copied to channels-last once in the graph too (else ATen copies it in every
 convolution call, forward and backward), through a reshape to 1-d and back, so that autograd's
 gradient of the copy, which has the copy's layout, passes through a reshape that gives it the
 parameter's (contiguous) layout again: the weight gradient leaves the graph in the parameter's
@@ -95,25 +95,25 @@ def to_channels_last(gm: fx.GraphModule) -> list[fx.Node]:
     """Insert the copies (returns them, for `undo`)."""
     graph = gm.graph
     copies: dict[fx.Node, fx.Node] = {}
-    inserted: list[fx.Node] = []
+    inserted: list[fx.Node] = []       # in order: `undo` takes them out backwards
     for node in _convs(gm):
-        x, w = node.args[0], node.args[1]
-        if x not in copies:
-            with graph.inserting_before(node):
-                copies[x] = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
-            inserted.append(copies[x])
-        node.replace_input_with(x, copies[x])
-        wval = _example(w)
-        if isinstance(w, fx.Node) and w not in copies and _plain_nchw(wval) and wval.ndim == 4 \
-                and all(isinstance(s, int) for s in wval.shape):
-            # the reshapes make autograd hand the gradient back contiguous (module docstring)
-            with graph.inserting_before(node):
-                flat = graph.call_method("reshape", (w, -1))
-                back = graph.call_method("reshape", (flat, tuple(wval.shape)))
-                copies[w] = graph.call_method("contiguous", (back,), {"memory_format": torch.channels_last})
-            inserted += [flat, back, copies[w]]
-        if w in copies:
-            node.replace_input_with(w, copies[w])
+        for k, src in enumerate(node.args[:2]):
+            val = _example(src)
+            if not isinstance(src, fx.Node) or not _plain_nchw(val):
+                continue        # (1 x 1 and depthwise weights are channels-last already)
+            if src not in copies:
+                with graph.inserting_before(node):
+                    if k == 1 or (src.op == "placeholder" and val.requires_grad):
+                        # a weight, or an input that gets a gradient: the reshapes make autograd
+                        # hand its gradient back contiguous (module docstring)
+                        flat = graph.call_method("reshape", (src, -1))
+                        back = graph.call_method("view_as", (flat, src))
+                        inserted += [flat, back]
+                    else:
+                        back = src
+                    copies[src] = graph.call_method("contiguous", (back,), {"memory_format": torch.channels_last})
+                inserted.append(copies[src])
+            node.replace_input_with(src, copies[src])
     output = graph.output_node()
     for src in list(output.all_input_nodes):
         if _plain_nchw(_example(src)):
