@@ -262,6 +262,10 @@ class Judge:
 # ----------------------------------------------------------------------------------------------
 # running one row
 # ----------------------------------------------------------------------------------------------
+# extra torchfuse options (--tf-options), e.g. {"channels_last_convs": false} to compare layouts
+TF_OPTIONS: dict = {}
+
+
 def compile_with(backend: str, model: nn.Module) -> Callable:
     if backend == "eager":
         return model
@@ -269,7 +273,7 @@ def compile_with(backend: str, model: nn.Module) -> Callable:
         return torch.compile(model)
     # strict: a graph torchfuse cannot compile raises (the row fails with the reason) instead of
     # running eagerly with a warning
-    return torch.compile(model, backend="torchfuse", options={"strict": True})
+    return torch.compile(model, backend="torchfuse", options={"strict": True, **TF_OPTIONS})
 
 
 class TrainStep:
@@ -652,7 +656,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="each compiler's cold first call alone, in the zoo's process and order (no eager, no accuracy "
                         "check, no timing)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of backend failures")
+    p.add_argument("--tf-options", default="{}",
+                   help='extra torchfuse options as JSON, e.g. \'{"channels_last_convs": false}\'')
+    p.add_argument("--cudnn-tf32", action="store_true",
+                   help="keep cuDNN's TF32 for fp32 convolutions on (PyTorch's default; the zoo turns it off)")
     a = p.parse_args(argv)
+    TF_OPTIONS.update(json.loads(a.tf_options))
     size = a.size or ("gpu" if a.device == "cuda" else "cpu")
     modes = ("train",) if a.train and not a.infer else ("infer",) if a.infer and not a.train else ("infer", "train")
     selected = select_rows(a.only, a.family, modes, a.dtype, a.shard, a.zoo)
@@ -667,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         # fp32 means fp32, as in Inductor's accuracy runs: cuDNN's TF32 default would let eager and
         # compiled convolutions pick different TF32 algorithms, ~1e-3 apart (far more in gradients
         # through train-mode BatchNorm), which would hide real errors under the tolerance.
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = a.cudnn_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
     backends = tuple(b for b in BACKENDS
                      if not (a.no_inductor and b == "inductor") and not (a.compile_only and b == "eager"))

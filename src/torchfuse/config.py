@@ -79,13 +79,16 @@ class Config:
     scale and shift fuse into the kernel after the convolution at no measurable cost (zoo CNNs
     on an H100: 0.985-1.04x the folded speed), and the copy raised peak memory by 8-91 MiB
     (resnet50: 778 -> 687 MiB, Inductor's figure; benchmarks/probes/option_ab.py)."""
-    channels_last_devices: tuple[str, ...] = ("cpu",)
-    """Devices on which `channels_last_convs` runs (inference graphs; training graphs through
-    frontend/channels_last_training.py): convolutions read their activations channels-last, as
-    oneDNN runs them 10-40% faster (zoo CNNs on 2 cores).  Not on CUDA by default: with NCHW
-    models and inputs in fp32 (TF32 off) on an H100, cuDNN ran resnet18/resnet50 inference and
-    training 6-20% slower channels-last, mobilenet_v2 training 18% faster
-    (benchmarks/probes/nchw_layout.py)."""
+    channels_last_convs: bool | str = "auto"
+    """The layout of each graph's convolutions on NCHW activations (the `channels_last_convs`
+    pass; training graphs through frontend/channels_last_training.py).  "auto": decided per
+    graph from its convolutions' number and kinds (grouped, depthwise, transposed, channel
+    counts), dtype, device and cuDNN's TF32 setting (passes/layout_rule.py); channels-last where
+    chosen: the input copied once inside the graph, conv weights too, outputs in eager's
+    layout.  True / False force it on / off for every graph with convolutions.  The decision
+    and its reason are logged ("torchfuse.layout") and listed by explain()."""
+    channels_last_devices: tuple[str, ...] = ("cpu", "cuda")
+    """Devices on which `channels_last_convs="auto"` may choose channels-last (() never does)."""
     freezing: bool = False
     """Inference graphs: values computed from parameters and buffers alone (folded conv-bn
     weights, weight casts, position biases) are always computed once and kept; by default they
@@ -220,6 +223,9 @@ def _checked(name: str, value: Any) -> Any:
         if not isinstance(value, (str, os.PathLike)):
             raise bad("a path")
         value = Path(value)
+    elif name == "channels_last_convs":
+        if value not in (True, False, "auto") or isinstance(value, int) and not isinstance(value, bool):
+            raise bad('True, False or "auto"')
     elif name == "passes":
         if isinstance(value, str) or not isinstance(value, (list, tuple)) or \
                 not all(isinstance(v, str) or callable(v) for v in value):

@@ -121,6 +121,7 @@ def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: st
     with counters.timed("passes"):
         records = run_passes(gm, passes, PassContext(inference=inference, cublas_devices=config.cublas_devices,
                                                       channels_last_devices=config.channels_last_devices,
+                                                      channels_last=config.channels_last_convs,
                                                       index_add_devices=config.index_add_devices,
                                                       fp32_matmul_tf32=_fp32_matmul_tf32()))
     after = gm.print_readable(print_output=False) if readable else ""
@@ -131,6 +132,8 @@ def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: st
     if report is not None:
         report.graphs += [f"# {graph_name}: aten graph\n{before}", f"# {graph_name}: after passes\n{after}"]
         report.passes += [f"{graph_name}: {r}" for r in records]
+        if "torchfuse_layout" in gm.meta:
+            report.layouts.append(f"{graph_name}: {gm.meta['torchfuse_layout']}")
     hoisted = None
     if inference and static_inputs:
         from .passes.hoist_static import hoist_static

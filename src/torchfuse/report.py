@@ -53,6 +53,7 @@ class Explanation:
     refused_fusions: list[str] = field(default_factory=list)
     passes: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)   # per graph: parameter-only values hoisted out of calls
+    layouts: list[str] = field(default_factory=list)  # per graph with convolutions: its layout and why
     memory: list[str] = field(default_factory=list)   # per graph: the wrapper's planned peak bytes, reuse
     # per collective (torch.distributed's functional collectives): where it starts and waits, what runs between
     collectives: list[str] = field(default_factory=list)
@@ -91,6 +92,9 @@ class Explanation:
             lines += [f"  {p}" for p in changed]
             if len(changed) < len(self.passes):
                 lines.append(f"  ({len(self.passes) - len(changed)} pass run(s) changed nothing)")
+        if self.layouts:
+            lines.append("\nconvolution layouts:")
+            lines += [f"  {f}" for f in self.layouts]
         if self.frozen:
             lines.append("\nhoisted parameter computations:")
             lines += [f"  {f}" for f in self.frozen]

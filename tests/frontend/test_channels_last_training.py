@@ -141,3 +141,57 @@ def test_channels_last_copy_of_the_input_is_not_saved(monkeypatch):
     x = torch.randn(4, 3, 12, 12)
     _check(ConvNet(), x, relaid=1)
     assert saved_shapes and tuple(x.shape) not in saved_shapes, saved_shapes
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides where the size is not 1 (autograd's layout contract for gradients)."""
+    return a.shape == b.shape and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_mixed_net_training_both_layouts(dtype, channels_last):
+    """conv-bn-relu-pool, grouped, depthwise, 1 x 1 and transposed convs, odd sizes: outputs,
+    their strides, input and weight gradients are eager's, and each weight gradient comes back
+    in its parameter's (contiguous) layout.  Channels-last copies the input and the three k x k
+    non-depthwise weights once in the forward and the 4-d output back; the backward copies the
+    three weight gradients and the input's gradient back (no flip-flop in between)."""
+    import torchfuse
+    from tests.passes.test_pass_channels_last import MixedNet, layout_copies
+    model = MixedNet().to(dtype)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, 11, 13, dtype=dtype).requires_grad_()
+    e = torchfuse.explain(model, x, options={"strict": True, "channels_last_convs": channels_last})
+    expected = ref(x)
+    grads_out = [torch.randn_like(o) for o in expected]
+    params = list(model.parameters())
+    got = torch.autograd.grad(e.output, [x, *params], grads_out)
+    want = torch.autograd.grad(expected, [x, *ref.parameters()], grads_out)
+    tol = {"rtol": 2e-3, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
+    for o, r in zip(e.output, expected):
+        torch.testing.assert_close(o, r, **tol)
+        assert o.stride() == r.stride()
+    for (name, _), g, r in zip([("x", x), *model.named_parameters()], got, want):
+        torch.testing.assert_close(g, r, **tol, msg=name)
+        assert _same_layout(g, r), (name, g.stride(), r.stride())
+    fw = [g for g in e.graphs if "_forward: after passes" in g.splitlines()[0]]
+    bw = [g for g in e.graphs if "_backward: after passes" in g.splitlines()[0]]
+    assert len(fw) == len(bw) == 1
+    assert layout_copies(type("E", (), {"graphs": fw})) == ((4, 1) if channels_last else (0, 0))
+    assert layout_copies(type("E", (), {"graphs": bw})) == ((0, 4) if channels_last else (0, 0))
+    assert e.layouts[0].split(": ")[1] == ("channels-last" if channels_last else "NCHW"), e.layouts
+
+
+def test_weight_gradients_keep_the_parameters_layout():
+    """Default ("auto") decision on a CPU training step: channels-last, and the weight gradients
+    the compiled backward returns are contiguous like the parameters (before, they came back
+    channels-last and autograd's accumulation copied each again)."""
+    model, x = ConvNet(), torch.randn(4, 3, 16, 16)
+    compiled = torch.compile(model, backend="torchfuse")
+    before = counters["channels_last_training"]
+    out = compiled(x)
+    grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+    assert counters["channels_last_training"] - before == 1
+    for (name, p), g in zip(model.named_parameters(), grads):
+        assert _same_layout(g, p), (name, g.stride(), p.stride())

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -126,3 +128,54 @@ def test_weight_copies_are_hoisted_out_of_the_call(tf):
         e = tf.check(model, x, allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
     assert _copies(e) == 4, e.passes       # the input and three weights
     assert any("clone" in f for f in e.frozen), e.frozen
+
+
+class MixedNet(nn.Module):
+    """conv-bn-relu-pool, a grouped conv with a residual, a depthwise conv, a 1 x 1 and a
+    transposed conv; two outputs: the transposed conv's 4-d map and pooled features."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem, self.bn = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.grouped = nn.Conv2d(16, 16, 3, padding=1, groups=4)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.pw = nn.Conv2d(16, 8, 1)
+        self.up = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.bn(self.stem(x))), 2)
+        y = F.relu(self.grouped(y)) + y
+        y = self.pw(F.hardswish(self.dw(y)))
+        return self.up(y), y.mean((2, 3))
+
+
+def layout_copies(e) -> tuple[int, int]:
+    """(copies to channels-last, copies back to contiguous) in the graphs after the passes."""
+    after = "".join(g for g in e.graphs if "after passes" in g.splitlines()[0])
+    return after.count("memory_format = torch.channels_last"), after.count("memory_format = torch.contiguous_format")
+
+
+MIXED_FALLBACKS = {"aten.convolution.default", "aten.max_pool2d_with_indices.default"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_mixed_net_both_layouts(tf, dtype, channels_last):
+    """Outputs and their strides are eager's either way; channels-last copies only the input and
+    the k x k weights of the non-depthwise convs (stem, grouped, transposed) in, and the 4-d
+    output back: nothing flips layout between the convolutions."""
+    model, x = MixedNet().eval().to(dtype), tf.rand((2, 3, 11, 13), dtype)
+    tol = {} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    with torch.no_grad():
+        e = tf.check(model, x, options={"channels_last_convs": channels_last}, check_stride=True,
+                     allow_fallbacks=MIXED_FALLBACKS, **tol)
+    assert layout_copies(e) == ((4, 1) if channels_last else (0, 0)), e.graphs[-1]
+    assert len(e.layouts) == 1 and e.layouts[0].split(": ")[1] == ("channels-last" if channels_last else "NCHW")
+
+
+def test_mixed_net_auto_on_cpu_is_channels_last(tf):
+    with torch.no_grad():
+        e = tf.check(MixedNet().eval(), tf.rand((3, 3, 9, 15)), check_stride=True, allow_fallbacks=MIXED_FALLBACKS)
+    assert layout_copies(e) == (4, 1)
+    assert "channels-last: 5 convolutions" in e.layouts[0], e.layouts

@@ -10,12 +10,15 @@ then traces forward and backward with the strides that follow (batch-norm statis
 column reductions, which the C++ backend's column plan runs at bandwidth).  A 4-d graph output
 that eager gives contiguous is made contiguous again, so callers see eager's strides.
 
-Weights stay as they are (ATen hands oneDNN a channels-last view of each in every call; a
-parameter changes every step, so no copy could be hoisted): graphs whose convolutions read
-fewer activation elements than MIN_ACTIVATIONS_PER_WEIGHT per weight element are left alone,
-as are graphs with fewer than `channels_last.MIN_CONVS` such convolutions and devices outside
-`Config.channels_last_devices`.  If AOTAutograd cannot trace the rewritten graph (a `view` that
-needs NCHW strides), the caller undoes the rewrite and compiles the graph as it was.
+Each k x k weight (and a graph input that requires grad) is copied to channels-last once in the graph too (else ATen copies it in every
+convolution call, forward and backward), through a reshape to 1-d and back, so that autograd's
+gradient of the copy, which has the copy's layout, passes through a reshape that gives it the
+parameter's (contiguous) layout again: the weight gradient leaves the graph in the parameter's
+layout, as eager's does.  Whether a graph is re-laid is `passes/layout_rule.decide_layout`'s
+choice (training rules: on the CPU, not where the weights outweigh the activations they
+convolve; `Config.channels_last_convs` forces it either way).  If AOTAutograd cannot trace the
+rewritten graph (a `view` that needs NCHW strides), the caller undoes the rewrite and compiles
+the graph as it was.
 """
 from __future__ import annotations
 
@@ -27,19 +30,15 @@ import torch.fx as fx
 
 from ..config import Config
 from ..counters import counters
-from ..passes.channels_last import MIN_CONVS
+from ..passes.layout_rule import MIN_ACTIVATIONS_PER_WEIGHT, MIN_CONVS, LayoutDecision, conv_info, decide_layout
 
-log = logging.getLogger("torchfuse")
+__all__ = ["wants_channels_last", "training_layout", "to_channels_last", "undo", "MIN_ACTIVATIONS_PER_WEIGHT",
+           "MIN_CONVS"]
+
+log = logging.getLogger("torchfuse.layout")
 
 _CONVS = {torch.conv2d, torch.nn.functional.conv2d}
-
-# Each step copies every weight to channels-last for oneDNN and its gradient back: a net whose
-# weights outweigh the activations they convolve loses more there than its convolutions gain.
-# Measured on the zoo's CPU training steps (2 cores; conv input elements per weight element:
-# step time NCHW -> channels-last): resnet18 (0.14: 14.7 -> 19.0 ms), resnet50 (0.40: 14.7 ->
-# 14.1), resnext50 (0.62: 13.5 -> 11.9), mobilenet_v3 (1.0: 22.0 -> 18.5), inception (1.3:
-# 18.0 -> 15.0), efficientnet_b0 (1.3: 19.7 -> 16.7), densenet (3.3: 12.0 -> 10.0).
-MIN_ACTIVATIONS_PER_WEIGHT = 0.3
+_TRANSPOSED = {torch.conv_transpose2d, torch.nn.functional.conv_transpose2d}
 
 
 def _plain_nchw(t: Any) -> bool:
@@ -51,38 +50,70 @@ def _example(node: Any) -> Any:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def wants_channels_last(gm: fx.GraphModule, example_inputs: list, config: Config) -> bool:
-    """A training graph (some input requires grad) with enough NCHW convolutions on a device of
-    `Config.channels_last_devices`, the pass enabled."""
+def _convs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The 2-d convolutions (transposed ones too) on NCHW activations."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CONVS | _TRANSPOSED
+            and _plain_nchw(_example(n.args[0]))]
+
+
+def _groups(node: fx.Node) -> int:
+    groups = node.kwargs.get("groups", node.args[6] if len(node.args) > 6 else 1)
+    return groups if isinstance(groups, int) else 1
+
+
+def training_layout(gm: fx.GraphModule, example_inputs: list, config: Config) -> LayoutDecision | None:
+    """The layout decision for a training graph (some input requires grad, grad mode on, the
+    pass enabled); None for other graphs."""
     if "channels_last_convs" not in config.passes or not torch.is_grad_enabled():
-        return False
+        return None
     if not any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        return None
+    convs = _convs(gm)
+    infos = [conv_info(_example(n.args[0]), _example(n.args[1]), _example(n), _groups(n), n.target in _TRANSPOSED)
+             for n in convs if isinstance(_example(n.args[1]), torch.Tensor) and isinstance(_example(n), torch.Tensor)]
+    x = _example(convs[0].args[0]) if convs else None
+    return decide_layout(infos, device=x.device.type if x is not None else "cpu",
+                         dtype=x.dtype if x is not None else torch.float32, inference=False,
+                         override=config.channels_last_convs, devices=config.channels_last_devices,
+                         graph_nodes=len(gm.graph.nodes))
+
+
+def wants_channels_last(gm: fx.GraphModule, example_inputs: list, config: Config, report: Any = None) -> bool:
+    """Whether to re-lay this training graph channels-last (`training_layout`); the decision is
+    logged, and listed in `report` (an Explanation) when given."""
+    decision = training_layout(gm, example_inputs, config)
+    if decision is None:
         return False
-    convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CONVS
-             and _plain_nchw(_example(n.args[0]))
-             and _example(n.args[0]).device.type in config.channels_last_devices]
-    if len(convs) < MIN_CONVS:
-        return False
-    weights = sum(_example(n.args[1]).numel() for n in convs if isinstance(_example(n.args[1]), torch.Tensor))
-    activations = sum(_example(n.args[0]).numel() for n in convs)
-    return activations >= MIN_ACTIVATIONS_PER_WEIGHT * weights
+    if decision.convs:
+        log.info("training graph: %s", decision)
+        if report is not None:
+            report.layouts.append(f"training graph (Dynamo's, before AOTAutograd): {decision}")
+    return decision.channels_last
 
 
 def to_channels_last(gm: fx.GraphModule) -> list[fx.Node]:
     """Insert the copies (returns them, for `undo`)."""
     graph = gm.graph
     copies: dict[fx.Node, fx.Node] = {}
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _CONVS:
-            continue
-        x = node.args[0]
-        if not _plain_nchw(_example(x)):
-            continue
-        if x not in copies:
-            with graph.inserting_before(node):
-                copies[x] = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
-        node.replace_input_with(x, copies[x])
-    inserted = list(copies.values())
+    inserted: list[fx.Node] = []       # in order: `undo` takes them out backwards
+    for node in _convs(gm):
+        for k, src in enumerate(node.args[:2]):
+            val = _example(src)
+            if not isinstance(src, fx.Node) or not _plain_nchw(val):
+                continue        # (1 x 1 and depthwise weights are channels-last already)
+            if src not in copies:
+                with graph.inserting_before(node):
+                    if k == 1 or (src.op == "placeholder" and val.requires_grad):
+                        # a weight, or an input that gets a gradient: the reshapes make autograd
+                        # hand its gradient back contiguous (module docstring)
+                        flat = graph.call_method("reshape", (src, -1))
+                        back = graph.call_method("view_as", (flat, src))
+                        inserted += [flat, back]
+                    else:
+                        back = src
+                    copies[src] = graph.call_method("contiguous", (back,), {"memory_format": torch.channels_last})
+                inserted.append(copies[src])
+            node.replace_input_with(src, copies[src])
     output = graph.output_node()
     for src in list(output.all_input_nodes):
         if _plain_nchw(_example(src)):

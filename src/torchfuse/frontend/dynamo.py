@@ -77,7 +77,7 @@ class TorchfuseBackend:
         constant_masks.drop_constant_masks(gm)
         upsamples = upsample_training.use_aten_backward(gm, example_inputs)
         relaid = channels_last_training.to_channels_last(gm) \
-            if channels_last_training.wants_channels_last(gm, example_inputs, config) else []
+            if channels_last_training.wants_channels_last(gm, example_inputs, config, backend.report) else []
         if saved_program.in_aot_compile():
             # torch.compile(...).aot_compile: the result must serialize (saved_program.py)
             saved_program.check_can_save(config)

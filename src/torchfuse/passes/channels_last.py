@@ -12,12 +12,16 @@ computed input costs nothing: the lowering writes the producing kernel's output 
 
 Where a node cannot take the new layout (a `view` that needs contiguous strides: a flatten),
 its input is made contiguous again first; a graph output keeps the strides eager gives it.
-Inference graphs with at least MIN_CONVS such convolutions only (a training graph's saved
-activations and gradients would change layout across the forward/backward boundary), on the
-devices of `PassContext.channels_last_devices`.
+Inference graphs only (a training graph's saved activations and gradients would change layout
+across the forward/backward boundary: `frontend/channels_last_training.py` re-lays those before
+AOTAutograd), and only where `layout_rule.decide_layout` chooses channels-last for the graph
+(its convolutions' number, kinds, dtype, device and cuDNN's TF32 setting; or the
+`channels_last_convs` option's True / False).  The decision and its reason are logged on the
+"torchfuse.layout" logger and kept in `gm.meta["torchfuse_layout"]` for `explain()`.
 """
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -27,13 +31,12 @@ import torch.fx as fx
 from ._meta import fake_mode_of, val_of
 from ._util import alias_input
 from .context import PassContext
+from .layout_rule import MIN_CONVS, LayoutDecision, conv_info, decide_layout
+
+__all__ = ["channels_last_convs", "graph_layout", "MIN_CONVS"]
 
 aten = torch.ops.aten
-
-# Fewer convolutions than this: left alone.  The copy of a graph input (and of a 4-d output
-# back) is a pass over an activation that a few convolutions do not win back; a CNN has dozens
-# (a single block compiled on its own has 1-2).
-MIN_CONVS = 3
+log = logging.getLogger("torchfuse.layout")
 
 # ops whose result keeps fixed strides that a layout change would make impossible
 _NEEDS_CONTIGUOUS = {aten.view.default, aten._unsafe_view.default}
@@ -47,12 +50,24 @@ def _is_plain_nchw(t: Any) -> bool:
             and not t.is_contiguous(memory_format=torch.channels_last))
 
 
-def _wants_channels_last(node: fx.Node, ctx: PassContext) -> bool:
+def _wants_channels_last(node: fx.Node) -> bool:
+    """A 2-d convolution on an NCHW activation."""
     if node.target is not aten.convolution.default:
         return False
     x, out = val_of(node.args[0]), val_of(node)
-    return (isinstance(out, torch.Tensor) and out.ndim == 4 and out.device.type in ctx.channels_last_devices
-            and _is_plain_nchw(x))
+    return isinstance(out, torch.Tensor) and out.ndim == 4 and _is_plain_nchw(x)
+
+
+def graph_layout(gm: fx.GraphModule, ctx: PassContext) -> LayoutDecision:
+    """The layout decision for the convolutions of `gm` (an aten graph)."""
+    convs = [n for n in gm.graph.nodes if _wants_channels_last(n)]
+    infos = [conv_info(val_of(n.args[0]), val_of(n.args[1]), val_of(n), n.args[8], bool(n.args[6]))
+             for n in convs if isinstance(val_of(n.args[1]), torch.Tensor)]
+    x = val_of(convs[0].args[0]) if convs else None
+    return decide_layout(infos, device=x.device.type if x is not None else "cpu",
+                         dtype=x.dtype if x is not None else torch.float32, inference=ctx.inference,
+                         override=ctx.channels_last, devices=ctx.channels_last_devices, tf32=ctx.cudnn_tf32,
+                         graph_nodes=len(gm.graph.nodes))
 
 
 def _fake(a: Any, vals: dict[fx.Node, Any]) -> Any:
@@ -61,7 +76,13 @@ def _fake(a: Any, vals: dict[fx.Node, Any]) -> Any:
 
 def channels_last_convs(gm: fx.GraphModule, ctx: PassContext) -> int:
     graph = gm.graph
-    if not ctx.inference or sum(_wants_channels_last(n, ctx) for n in graph.nodes) < MIN_CONVS:
+    if not ctx.inference:
+        return 0
+    decision = graph_layout(gm, ctx)
+    if decision.convs:
+        log.info("inference graph: %s", decision)
+        gm.meta["torchfuse_layout"] = str(decision)
+    if not decision.channels_last:
         return 0
     mode = fake_mode_of(graph)
     new_vals: dict[fx.Node, Any] = {}      # re-derived fake values of the nodes downstream
@@ -95,7 +116,7 @@ def channels_last_convs(gm: fx.GraphModule, ctx: PassContext) -> int:
         for node in list(graph.nodes):
             if node.op != "call_function":
                 continue
-            if _wants_channels_last(node, ctx):
+            if _wants_channels_last(node):
                 x, w = node.args[0], node.args[1]
                 if not _fake(x, new_vals).is_contiguous(memory_format=torch.channels_last):
                     copy_before(node, x, torch.channels_last)
@@ -118,6 +139,8 @@ def channels_last_convs(gm: fx.GraphModule, ctx: PassContext) -> int:
         for node in reversed(inserted):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+        gm.meta["torchfuse_layout"] = f"NCHW: chose channels-last ({decision.reason}), but an op's layout rules " \
+                                      "could not be followed"
         return 0
     if not inserted:
         return 0

@@ -18,9 +18,17 @@ class PassContext:
     sizes, and `unfuse_addmm` / `unfuse_conv_bias` move the bias adds of matrix products and
     convolutions into the consumer kernels (CPU BLAS and oneDNN need neither)."""
 
-    channels_last_devices: tuple[str, ...] = ("cpu",)
-    """Device types whose inference convolutions read channels-last activations
-    (`channels_last_convs`)."""
+    channels_last_devices: tuple[str, ...] = ("cpu", "cuda")
+    """Device types whose inference convolutions may read channels-last activations
+    (`channels_last_convs`, where `layout_rule.decide_layout` chooses it)."""
+
+    channels_last: bool | str = "auto"
+    """Config.channels_last_convs: True / False force the layout of every graph with
+    convolutions, "auto" decides per graph (`layout_rule.decide_layout`)."""
+
+    cudnn_tf32: bool | None = None
+    """Whether cuDNN may run fp32 convolutions on TF32 tensor cores (the user's
+    `torch.backends.cudnn.allow_tf32`, read when the graph is compiled; None: read by the rule)."""
 
     index_add_devices: tuple[str, ...] = ("cuda",)
     """Device types whose accumulating index_puts run as index_add (`accumulate_by_index_add`)."""
