@@ -741,6 +741,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--warm", action="store_true",
                    help="run each op a second time from the graph cache the first run filled (in-process only)")
+    p.add_argument("--options", default="",
+                   help='torchfuse options as JSON, e.g. \'{"cpu_backend": "triton"}\' (Triton under '
+                        'TRITON_INTERPRET=1 on the CPU; in-process runs only: --in-process or --warm)')
     p.add_argument("--worker", nargs=2, metavar=("OPS_FILE", "OUT_FILE"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     dtypes = [d.strip().replace("torch.", "") for d in a.dtypes.split(",") if d.strip()]
@@ -753,8 +756,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [n.strip() for n in a.ops.split(",") if n.strip()]
     ops = select_ops(names or None, all_ops=a.all)
     t0 = time.time()
+    options = json.loads(a.options) if a.options else None
+    if options and not (a.in_process or a.warm):
+        p.error("--options needs --in-process or --warm")
     if a.in_process or a.warm:
-        results = sweep(ops, [getattr(torch, d) for d in dtypes], a.device, a.max_samples,
+        results = sweep(ops, [getattr(torch, d) for d in dtypes], a.device, a.max_samples, options=options,
                         log=None if a.quiet else sys.stderr, warm=a.warm)
     else:
         results = run_isolated([op_key(o) for o in ops], dtypes, a.device, a.max_samples, a.op_timeout,
