@@ -24,8 +24,20 @@ def _relpos_softmax(scores, table, index):
 
 
 def _vector_loops(source: str) -> str:
-    """The kernel's main loops: the text after its last early return of a failed check."""
-    return source.rsplit("return 1; }", 1)[-1] if "return 1; }" in source else source
+    """The text of the kernel's `omp simd` loops over its elements (not the checks' own loops
+    before them, which end with the early return of a failed check)."""
+    lines = source.splitlines()
+    main = max((k for k, line in enumerate(lines) if "return 1; }" in line and
+                any("for (" in later for later in lines[k:])), default=-1) + 1
+    out, depth = [], 0
+    for line in lines[main:]:
+        if depth == 0 and "#pragma omp simd" in line:
+            depth = -1                      # the next line opens the loop
+            continue
+        if depth:
+            out.append(line)
+            depth = (0 if depth == -1 else depth) + line.count("{") - line.count("}")
+    return "\n".join(out)
 
 
 def test_relative_position_bias_checked_before_loops():
@@ -38,6 +50,7 @@ def test_relative_position_bias_checked_before_loops():
     (kernel,) = report.kernels
     assert "tf_check_index" in kernel.source
     loops = _vector_loops(kernel.source)
+    assert "tf_expf" in loops                   # (the softmax's loops)
     assert "tf_check_index" not in loops and "tf_clamp_index" not in loops and "tf_bad" not in loops
     torch._dynamo.reset()
     f = torch.compile(_relpos_softmax, backend="torchfuse")
@@ -61,7 +74,8 @@ def test_edge_gather_checked_before_loops(dtype):
         return torch.relu(x[e[0]] + x[e[1]])
     torch._dynamo.reset()
     (kernel,) = torchfuse.explain(fn, x, edges).kernels
-    assert "tf_check_index" not in _vector_loops(kernel.source)
+    loops = _vector_loops(kernel.source)
+    assert "relu" in kernel.name and loops and "tf_check_index" not in loops
     torch._dynamo.reset()
     f = torch.compile(fn, backend="torchfuse")
     torch.testing.assert_close(f(x, edges), fn(x, edges))

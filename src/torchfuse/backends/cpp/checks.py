@@ -38,16 +38,20 @@ extern "C" void tf_last_error(int64_t* out) { out[0] = tf_err[0]; out[1] = tf_er
 """
 
 
-def precheckable(n: Node, ranges: Mapping[str, Node], produced: set[str]) -> bool:
+def precheckable(n: Node, ranges: Mapping[str, Node], produced: set[str],
+                 hoisted: set[str] | None = None) -> bool:
     """Is index check `n` one to make before the kernel's loops (emit_precheck)?  Where its index
     depends on fewer loops than the kernel has (a relative-position bias's index matrix, read once
-    per window and head; an embedding's id, once per row; a decode step's position, once), the
-    loops repeat the same check; not where it reads a buffer the kernel computes (not stored yet)."""
+    per window and head; a decode step's position, once), the loops repeat the same check; not
+    where it reads a buffer the kernel computes (not stored yet), nor where it depends on exactly
+    the loops `hoisted` (those around a pointwise kernel's vector loop, where the Emitter's
+    hoist_checks makes it once per value already: an embedding's id, a GNN edge's ends, whose
+    separate pass over the ids cost 3% more)."""
     if n.op != "check_index":
         return False
     nodes = list(walk(n))
     used = {x.arg for x in nodes if x.op == "var"}
-    return used < set(ranges) and not any(x.op == "load" and x.arg in produced for x in nodes)
+    return used < set(ranges) and used != hoisted and not any(x.op == "load" and x.arg in produced for x in nodes)
 
 
 def emit_precheck(em: Any, n: Node, site: int, ranges: Mapping[str, Node], parallel_threshold: int) -> None:

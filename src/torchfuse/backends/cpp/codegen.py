@@ -512,8 +512,12 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     em.lines.append(f'extern "C" {"int64_t" if sites else "void"} {kernel.name}({", ".join(params)}) {{')
     for k in range(len(sites)):
         em.line(f"int64_t tf_bad{k} = INT64_MIN;")
+    outer_vars = [f"x{j}" for j in range(len(plan.outer))]
+    hoisted = None          # the loops around a pointwise kernel's vector loop (hoist_checks)
+    if kernel.scatter is None and kernel.kind == "pointwise" and plan.outer:
+        hoisted = set(outer_vars[:len(outer_vars) - (2 if short_inner and len(outer_vars) > 1 else 1)])
     for k, (node, _) in enumerate(sites):
-        if precheckable(node, ranges, produced):
+        if precheckable(node, ranges, produced, hoisted):
             emit_precheck(em, node, k, ranges, parallel_threshold)
             em.prechecked.add(node)
     in_loops = [k for k, (node, _) in enumerate(sites) if node not in em.prechecked]
@@ -521,7 +525,6 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
         em.check_clause = f" reduction(max:{','.join(f'tf_bad{k}' for k in in_loops)})"
     total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
     para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
-    outer_vars = [f"x{j}" for j in range(len(plan.outer))]
 
     if kernel.scatter is not None:
         from .scatter import emit_scatter_kernel
