@@ -29,7 +29,16 @@ class Config:
 
     # --- behaviour on failure -------------------------------------------------------------
     strict: bool = False
-    """Raise instead of warning and falling back to eager when a kernel fails to build."""
+    """Raise instead of warning and falling back to eager when a kernel fails to build.  On a GPU,
+    also read the Triton kernels' check results after every graph call (one synchronization per
+    call), so a bad index raises at the call that met it rather than at a later call
+    (runtime/kernel_errors.py)."""
+
+    runtime_checks: bool = True
+    """Check at run time what eager rejects (codegen/checks.py): an index out of range for its dim
+    raises eager's IndexError, an integer division by zero ZeroDivisionError.  False drops the
+    checks: an out-of-range index then reads or writes outside a tensor (for measuring what the
+    checks cost, benchmarks/probes/check_cost.py; never for running untrusted data)."""
 
     # --- debugging --------------------------------------------------------------------------
     debug: bool = False

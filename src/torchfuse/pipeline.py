@@ -281,7 +281,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     counters.bump("kernels_generated", len(sources))
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls, register_only,
                              reductions_in_place=backend.features.reductions_in_place,
-                             kernel_checks=kernel_checks, triton_checks=error_slots)
+                             kernel_checks=kernel_checks, triton_checks=error_slots,
+                             sync_checks=config.strict)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
     collectives = describe_collectives(graph_name, builder.items)

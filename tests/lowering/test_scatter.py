@@ -135,6 +135,37 @@ def test_out_of_range_indices_raise_as_eager_does(tf, backend, op):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["index_put_", "scatter_add_"])
+def test_out_of_range_index_writes_no_row_in_place(tf, backend, op):
+    """A bad index into a tensor written in place (a cache) raises, and its value lands in no
+    row: the check hands on index 0, and the store's in_bounds must test the loaded index (it
+    tested the check's result and wrote the bad element into row 0)."""
+    def fn(cache, i, v):
+        if op == "index_put_":
+            cache.index_put_((i,), v * 2)
+        else:
+            cache.scatter_add_(0, i, v * 2)
+        return cache.sum(0)
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="torchfuse", options=BACKENDS[backend])
+    cache = torch.randn(9, 5)
+    v = torch.randn(5, 5) if op == "index_put_" else torch.randn(4, 5)
+    good = torch.tensor([3, 1, 4, 7, 2]) if op == "index_put_" else _idx((4, 5), 9, low=1)
+    want = cache.clone()
+    torch.testing.assert_close(f(cache, good, v), fn(want, good, v))
+    torch.testing.assert_close(cache, want)
+    bad = good.clone()
+    bad.view(-1)[1] = 9          # no good index writes row 0
+    kind = IndexError if op == "index_put_" else RuntimeError      # eager's kinds
+    with pytest.raises(kind):
+        fn(cache.clone(), bad, v)
+    row0 = cache[0].clone()
+    with pytest.raises(kind, match="index 9 is out of bounds"):
+        f(cache, bad, v)
+    torch.testing.assert_close(cache[0], row0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_index(tf, backend):
     x = tf.rand((5, 4))
     tf.check(lambda x, i, v: (torch.index_put(x, (i,), v, accumulate=True) + 1,

@@ -68,10 +68,14 @@ def _divisor_safe(n: Node, ranges: Mapping[str, Node]) -> bool:
     return iv is not None and (iv[0] > 0 or iv[1] < 0)
 
 
-def check_sites(nodes: Iterable[Node], ranges: Mapping[str, Node]) -> list[tuple[Node, tuple[str, str]]]:
+def check_sites(nodes: Iterable[Node], ranges: Mapping[str, Node],
+                enabled: bool = True) -> list[tuple[Node, tuple[str, str]]]:
     """The checks a kernel makes at run time, in a fixed order: (node, (kind, what)) with kind
-    "index" (what: the op and dim) or "div" (what: the op)."""
+    "index" (what: the op and dim) or "div" (what: the op).  None unless `enabled`
+    (Config.runtime_checks)."""
     out: list[tuple[Node, tuple[str, str]]] = []
+    if not enabled:
+        return out
     seen: set[Node] = set()
     for n in nodes:
         if n in seen:

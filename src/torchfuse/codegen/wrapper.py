@@ -146,14 +146,16 @@ class WrapperBuilder:
                  stored: set[str], kernel_calls: dict[str, str] | None = None,
                  register_only: set[str] | frozenset[str] = frozenset(),
                  reductions_in_place: bool = False, kernel_checks: dict[str, list] | None = None,
-                 triton_checks: dict[str, tuple] | None = None):
+                 triton_checks: dict[str, tuple] | None = None, sync_checks: bool = False):
         self.program = program
         # C++ kernels that check values at run time (codegen/checks.py): the call's non-zero
         # result raises eager's error
         self.kernel_checks = kernel_checks or {}
-        # Triton kernels' error slots (name, sites, size expressions, device), read once the
-        # graph's kernels have run
+        # Triton kernels' error slots (name, sites, size expressions, device), slices of one
+        # runtime.kernel_errors.TritonErrorSlots per device, looked at once the graph's kernels
+        # have run (on a GPU without a synchronization, unless `sync_checks`)
         self.triton_checks = triton_checks or {}
+        self.sync_checks = sync_checks
         self.kernel_args = kernel_args
         # collectives' starts early and waits late (scheduler/overlap.py), then steps later where that
         # lowers the peak (never across a collective)
@@ -343,16 +345,36 @@ class WrapperBuilder:
                 outs.append(py_index(o[1]))
             else:
                 outs.append(self.const(o[1]))
-        if self.triton_checks:
-            from ..runtime.kernel_errors import SENTINEL, check_triton_errors
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-            for slots, sites, sizes, device in self.triton_checks.values():
-                with unset_fake_temporarily():       # (compiles run under AOTAutograd's fake mode)
-                    self.globals[slots] = torch.full((len(sites),), SENTINEL, dtype=torch.int64, device=device)
-                L.append(f"    {self.const(check_triton_errors)}({slots}, {self.const(sites)}, "
-                         f"({''.join(x + ', ' for x in sizes)}))")
+        prologue = self._error_slots() if self.triton_checks else ""
         L.append(f"    return ({''.join(x + ', ' for x in outs)})")
-        return self._with_profiled_variant()
+        return prologue + self._with_profiled_variant()
+
+    def _error_slots(self) -> str:
+        """One TritonErrorSlots per device for the graph's Triton kernels with checks, each
+        kernel's slots a slice of it (one copy to the host per call, not one per kernel); the
+        slices are taken again where the wrapper is linked (the module-level lines returned),
+        since a graph cache entry restores the constants unpickled one by one."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        from ..runtime.kernel_errors import SENTINEL, TritonErrorSlots
+        by_device: dict[str, list[tuple]] = {}
+        for entry in self.triton_checks.values():
+            by_device.setdefault(str(entry[3]), []).append(entry)
+        lines = []
+        for kernels in by_device.values():
+            with unset_fake_temporarily():       # (compiles run under AOTAutograd's fake mode)
+                base = torch.full((sum(len(k[1]) for k in kernels),), SENTINEL, dtype=torch.int64,
+                                  device=kernels[0][3])
+            slots = TritonErrorSlots(base, [s for k in kernels for s in k[1]], sync=self.sync_checks)
+            c = self.const(slots)
+            start = 0
+            for name, sites, _, _ in kernels:
+                self.globals[name] = slots.view(start, len(sites))
+                lines.append(f"{name} = {c}.view({start}, {len(sites)})")
+                start += len(sites)
+            sizes = "".join(x + ", " for k in kernels for x in k[2])
+            self.lines.append(f"    {c}.after_call(({sizes}))")
+        return "\n".join(lines) + "\n\n\n"
 
     def _with_profiled_variant(self) -> str:
         """`call`, plus `call_profiled`: the same steps with every kernel call inside a

@@ -48,7 +48,13 @@ aten = torch.ops.aten
 def in_bounds(i: Node, size: Node) -> Node:
     """0 <= i < size for an index already wrapped from the end: the condition under which a
     scatter may write.  The index check replaces a bad index by 0 and reports it (a gather may
-    read row 0); a store must not write there, so this condition stays beside the check."""
+    read row 0); a store must not write there, so this condition stays beside the check, and
+    tests the index as loaded (wrapped), not the check's result (always in range: a bad index
+    wrote its value into row 0 of a tensor written in place)."""
+    if i.op == "check_index":
+        raw, _, negative = i.args
+        i = where(op("lt", raw, const(0), dtype=torch.bool), op("add", raw, size, dtype=INDEX), raw) \
+            if negative.arg else raw
     return op("and", op("ge", i, const(0), dtype=torch.bool), op("lt", i, size, dtype=torch.bool), dtype=torch.bool)
 
 

@@ -47,7 +47,7 @@ class CppBackend(Backend):
             graph.scratch["int32"] = _int32_addressable(graph.program)
         checks: list = []
         src, bufs, syms = codegen.kernel_source(plan, graph.dtypes, graph.config.parallel_threshold,
-                                                graph.scratch["int32"], checks)
+                                                graph.scratch["int32"], checks, graph.config.runtime_checks)
         return KernelCode(src, bufs, syms, checks=checks)
 
     def build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from ...ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
 from ...scheduler.loops import LoopPlan, Stage, rows_contiguous, step_of
 from ...codegen.checks import check_sites, unchecked_index
 from ...codegen.common import ExprEmitter
-from .checks import CHECKS
+from .checks import CHECKS, emit_precheck, precheckable
 from .common import CTYPE, STORAGE, _emit_loops, _store_expr
 
 PRELUDE = r"""
@@ -325,6 +325,7 @@ class Emitter(ExprEmitter):
         self.checks: dict[Node, int] = {}       # check node -> its site's number (check_sites)
         self.check_clause = ""                  # the reduction clause of every loop pragma
         self.recorded: set[Node] = set()        # checks already evaluated by an earlier loop
+        self.prechecked: set[Node] = set()      # checks made before the loops (checks.emit_precheck)
         self.ranges: dict[str, Node] = {}       # loop var -> its size (indices known in range)
         self.open_vars: list[str] = []          # the vars of the loops now open
         self.produced: set[str] = set()         # buffers the kernel computes (hoist_checks)
@@ -333,7 +334,8 @@ class Emitter(ExprEmitter):
         """Evaluate, before a vector loop opens, the index checks that only depend on the loops
         around it (an embedding row's id): computed inside, the clamp made g++ load every lane's
         element with a gather instead of one contiguous vector (an embedding lookup ran 1.8x
-        slower).  Not a check that reads a buffer this kernel computes (not stored yet)."""
+        slower; a check made before the loops, checks.emit_precheck, hoists its wrapped index the
+        same way).  Not a check that reads a buffer this kernel computes (not stored yet)."""
         for n in self.checks:
             if n.op != "check_index" or any(n in scope for scope in self.scopes):
                 continue
@@ -362,7 +364,7 @@ class Emitter(ExprEmitter):
     def _expr(self, n: Node) -> str:
         o, a, dt = n.op, n.args, n.dtype
         if o == "check_index":
-            if n not in self.checks:
+            if n not in self.checks or n in self.prechecked:
                 return self.index(unchecked_index(n, self.ranges))
             if n in self.recorded:
                 # a later stage of the row meets the same indices again: the first one reported
@@ -471,11 +473,12 @@ def _red_init(op: str, dtype: torch.dtype) -> str:
 
 def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], parallel_threshold: int,
                   int32_buffers: frozenset[str] = frozenset(),
-                  checks: list | None = None) -> tuple[str, list[str], list[str]]:
+                  checks: list | None = None, run_checks: bool = True) -> tuple[str, list[str], list[str]]:
     """C++ for one kernel; returns (source, buffer argument names, symbol argument names).
     `int32_buffers`: the buffers every offset of which fits an int32 (see Emitter).  `checks`,
     a list, gets the kernel's run-time check sites (codegen/checks.py): a kernel with any
-    returns non-zero when one failed, and `tf_last_error` says which, with what value."""
+    returns non-zero when one failed, and `tf_last_error` says which, with what value (none
+    without `run_checks`: Config.runtime_checks)."""
     kernel = plan.kernel
     written = [m.buffer.into or m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
     produced = {m.buffer.name for m in plan.members}
@@ -501,7 +504,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
         lane_vars.add(f"x{len(plan.outer) - 2}")
     em = Emitter(buffer_dtypes, int32_buffers, frozenset(lane_vars))
     ranges = {f"x{j}": s for j, s in enumerate(plan.outer)} | {f"y{j}": s for j, s in enumerate(plan.inner)}
-    sites = check_sites([n for m in plan.members for n in _all_nodes(m)], ranges)
+    sites = check_sites([n for m in plan.members for n in _all_nodes(m)], ranges, run_checks)
     em.checks, em.ranges = {node: k for k, (node, _) in enumerate(sites)}, ranges
     em.produced = produced
     if checks is not None:
@@ -509,11 +512,19 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     em.lines.append(f'extern "C" {"int64_t" if sites else "void"} {kernel.name}({", ".join(params)}) {{')
     for k in range(len(sites)):
         em.line(f"int64_t tf_bad{k} = INT64_MIN;")
-    if sites:
-        em.check_clause = f" reduction(max:{','.join(f'tf_bad{k}' for k in range(len(sites)))})"
+    outer_vars = [f"x{j}" for j in range(len(plan.outer))]
+    hoisted = None          # the loops around a pointwise kernel's vector loop (hoist_checks)
+    if kernel.scatter is None and kernel.kind == "pointwise" and plan.outer:
+        hoisted = set(outer_vars[:len(outer_vars) - (2 if short_inner and len(outer_vars) > 1 else 1)])
+    for k, (node, _) in enumerate(sites):
+        if precheckable(node, ranges, produced, hoisted):
+            emit_precheck(em, node, k, ranges, parallel_threshold)
+            em.prechecked.add(node)
+    in_loops = [k for k, (node, _) in enumerate(sites) if node not in em.prechecked]
+    if in_loops:
+        em.check_clause = f" reduction(max:{','.join(f'tf_bad{k}' for k in in_loops)})"
     total = " * ".join(em.index(s) for s in plan.outer + plan.inner) or "1"
     para = f"if(parallel: ({total}) >= {parallel_threshold})"   # the if must not switch off simd
-    outer_vars = [f"x{j}" for j in range(len(plan.outer))]
 
     if kernel.scatter is not None:
         from .scatter import emit_scatter_kernel
@@ -527,7 +538,8 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
         _emit_column_kernel(em, plan, para)
     else:
         _emit_loops(em, outer_vars, plan.outer, para, lambda: _emit_outer_body(em, plan, None), simd_last=False)
-    for k, (node, _) in enumerate(sites):
+    for k in in_loops:
+        node = sites[k][0]
         size = em.index(node.args[1]) if node.op == "check_index" else "0"
         em.line(f"if (tf_bad{k} != INT64_MIN) {{ tf_err[0] = {k}; tf_err[1] = tf_bad{k}; tf_err[2] = {size}; return 1; }}")
     if sites:

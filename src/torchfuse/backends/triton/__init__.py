@@ -42,7 +42,7 @@ class TritonBackend(Backend):
     def kernel(self, plan: LoopPlan, graph: GraphCode) -> KernelCode:
         kernel = plan.kernel
         checks: list = []
-        src, bufs, syms = codegen.kernel_source(plan, graph.dtypes, checks)
+        src, bufs, syms = codegen.kernel_source(plan, graph.dtypes, checks, graph.config.runtime_checks)
         # a kernel with run-time checks stores their failures in error slots of its own
         err = [f"_tferr_{kernel.name}"] if checks else []
         slots = (err[0], tuple(c[:2] for c in checks),

@@ -268,10 +268,11 @@ def _init_value(op: str, dtype: torch.dtype) -> str:
 
 
 def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype],
-                  checks: list | None = None) -> tuple[str, list[str], list[str]]:
+                  checks: list | None = None, run_checks: bool = True) -> tuple[str, list[str], list[str]]:
     """Triton source for one kernel; returns (source, buffer args, symbol args).  `checks`, a
     list, gets the kernel's run-time check sites (codegen/checks.py): a kernel with any takes
-    `tf_err` (int64 slots, one a site) after its buffers, where a failing check stores its value."""
+    `tf_err` (int64 slots, one a site) after its buffers, where a failing check stores its value
+    (none without `run_checks`: Config.runtime_checks)."""
     kernel = plan.kernel
     produced = {m.buffer.name for m in plan.members}
     written = [m.buffer.into or m.buffer.name for m in plan.members if m.buffer.name in plan.stored]
@@ -286,7 +287,8 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype],
         syms |= free_syms(s)
     syms_list = sorted(syms)
     ranges = {f"x{j}": s for j, s in enumerate(plan.outer)} | {f"y{j}": s for j, s in enumerate(plan.inner)}
-    sites = check_sites([n for m in plan.members for n in list(walk(m.body)) + list(walk(m.store))], ranges)
+    sites = check_sites([n for m in plan.members for n in list(walk(m.body)) + list(walk(m.store))], ranges,
+                        run_checks)
     if checks is not None:
         checks.extend(desc + (node.args[1] if node.op == "check_index" else None,) for node, desc in sites)
     err = ["tf_err"] if sites else []
