@@ -15,12 +15,17 @@ BACKENDS = {"cpp": {}, "triton": {"cpu_backend": "triton"}}
 
 
 @pytest.fixture
-def bag_kernels_on_cpp(monkeypatch):
-    """The C++ backend with embedding-bag decompositions on (off by default: ATen's is faster)."""
+def bag_kernels_on(monkeypatch):
+    """Both backends with the embedding-bag decompositions on (off by default: ATen's kernels
+    measured faster, on the CPU and on an H100)."""
     import dataclasses
 
     from torchfuse.backends.cpp import CppBackend
-    monkeypatch.setattr(CppBackend, "features", dataclasses.replace(CppBackend.features, embedding_bag_kernels=True))
+    from torchfuse.backends.triton import TritonBackend
+    for cls in (CppBackend, TritonBackend):
+        monkeypatch.setattr(cls, "features", dataclasses.replace(cls.features, embedding_bag_kernels=True))
+
+
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (5e-2, 5e-2), torch.float16: (1e-2, 1e-2)}
 ROUTING = {"aten.searchsorted.Tensor"}        # each index's bag: a routing op, left to ATen
 
@@ -36,7 +41,7 @@ def _bags(n=41, bags=9, rows=23, index_dtype=torch.int64):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("last", [False, True])
-def test_embedding_bag_sum_weighted_and_mean_padded(tf, bag_kernels_on_cpp, backend, index_dtype, last):
+def test_embedding_bag_sum_weighted_and_mean_padded(tf, bag_kernels_on, backend, index_dtype, last):
     w = tf.rand((23, 6)).requires_grad_()
     psw = tf.rand((41,)).requires_grad_()
     idx, off = _bags(index_dtype=index_dtype)
@@ -58,7 +63,7 @@ def test_embedding_bag_sum_weighted_and_mean_padded(tf, bag_kernels_on_cpp, back
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_embedding_bag_half_inference(tf, bag_kernels_on_cpp, backend, dtype):
+def test_embedding_bag_half_inference(tf, bag_kernels_on, backend, dtype):
     w = tf.rand((23, 8), dtype)
     idx, off = _bags(n=60)
     atol, rtol = TOL[dtype]
@@ -73,7 +78,7 @@ def test_embedding_bag_half_inference(tf, bag_kernels_on_cpp, backend, dtype):
     assert [f.op for f in e.fallbacks] == ["aten.searchsorted.Tensor"], e
 
 
-def test_embedding_bag_all_outputs_and_max_stays(tf, bag_kernels_on_cpp):
+def test_embedding_bag_all_outputs_and_max_stays(tf, bag_kernels_on):
     """The aten op called directly: its four outputs as eager's (bag of each index, bag sizes);
     mode max stays in ATen."""
     w = tf.rand((23, 6))
@@ -99,7 +104,7 @@ def test_embedding_bag_stays_in_aten_on_cpp(tf):
     assert sorted(f.op for f in e.fallbacks) == ["aten._embedding_bag.default", "aten._embedding_bag_backward.default"]
 
 
-def test_embedding_bag_out_of_range_raises():
+def test_embedding_bag_out_of_range_raises(bag_kernels_on):
     w = torch.rand(10, 4)
     fn = torchfuse.compile(lambda w, i, o: F.embedding_bag(i, w, o) * 2, options=BACKENDS["triton"])
     with pytest.raises((IndexError, RuntimeError)):

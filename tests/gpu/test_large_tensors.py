@@ -48,5 +48,11 @@ def test_gather_past_int32():
     ids = torch.tensor([0, w.shape[0] - 1, w.shape[0] // 2, -1, 12345], device="cuda").repeat(97)
     f = torchfuse.compile(lambda w, i: (w[i] * 2).float().sum(-1))
     torch.testing.assert_close(f(w, ids), (w[ids] * 2).float().sum(-1), atol=1e-1, rtol=1e-2)
+    # on the GPU a failed check is reported without a host sync: by the next call, or at once
+    # by check_kernel_errors() (runtime/kernel_errors.py); strict mode raises at the call
     with pytest.raises(IndexError):
         f(w, torch.tensor([w.shape[0]], device="cuda"))
+        torchfuse.check_kernel_errors()
+    strict = torchfuse.compile(lambda w, i: (w[i] * 2).float().sum(-1), options={"strict": True})
+    with pytest.raises(IndexError):
+        strict(w, torch.tensor([w.shape[0]], device="cuda"))
