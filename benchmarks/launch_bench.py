@@ -25,11 +25,8 @@ The table is printed last.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import math
 import os
-import pstats
 import sys
 import time
 from typing import Callable
@@ -39,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchfuse  # noqa: E402,F401  (registers the backend)
+from profile_text import cprofile_text  # noqa: E402
 
 
 def _register() -> None:
@@ -214,16 +212,7 @@ def run(name: str, make: Callable, steps: int, rounds: int, profile_dir: str | N
                              host_ms=host_ms, host_us_per_kernel=1e3 * host_ms / max(kernels, 1), err=err,
                              first_s=first))
             if profile_dir is not None and backend != "eager":
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(steps):
-                    fn(*args)
-                pr.disable()
-                torch.cuda.synchronize()
-                s = io.StringIO()
-                st = pstats.Stats(pr, stream=s)
-                st.sort_stats("tottime").print_stats(30)
-                st.sort_stats("cumulative").print_stats(30)
+                stats = cprofile_text(lambda: fn(*args), steps)
                 from torch.profiler import ProfilerActivity, profile
 
                 from torchfuse.backends.triton import launch as triton_launch
@@ -234,7 +223,7 @@ def run(name: str, make: Callable, steps: int, rounds: int, profile_dir: str | N
                 ops = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=25,
                                                                           max_name_column_width=50)
                 with open(os.path.join(profile_dir, f"launch_profile_{name}_{backend}.txt"), "w") as f:
-                    f.write(f"verified launcher conventions: {triton_launch._trusted}\n" + s.getvalue()
+                    f.write(f"verified launcher conventions: {triton_launch._trusted}\n" + stats
                             + "\n\ntorch.profiler, CPU self time, 5 steps, by input shape\n" + ops)
     return rows
 

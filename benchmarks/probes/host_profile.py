@@ -2,17 +2,16 @@
 microseconds per launch go?   python benchmarks/probes/host_profile.py [gpt2-bf16|vit] """
 from __future__ import annotations
 
-import cProfile
-import io
 import os
-import pstats
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from model_profile import models  # noqa: E402
+from profile_text import cprofile_text  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "gpt2-bf16"
 backends = sys.argv[2].split(",") if len(sys.argv) > 2 else ["torchfuse", "inductor"]
@@ -40,17 +39,8 @@ with torch.no_grad():
             torch.cuda.synchronize()
         out.append(f"===== {name} {backend}: torch.profiler CPU self time (5 calls)\n"
                    + tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(20):
-            fn(*args)
-        pr.disable()
-        torch.cuda.synchronize()
-        s = io.StringIO()
-        st = pstats.Stats(pr, stream=s)
-        st.sort_stats("tottime").print_stats(35)
-        st.sort_stats("cumulative").print_stats(45)
-        out.append(f"===== {name} {getattr(backend, '__name__', backend)}: host loop {host * 1e3:.2f} ms/call\n" + s.getvalue())
+        stats = cprofile_text(lambda: fn(*args), 20, tottime_rows=35, cumulative_rows=45)
+        out.append(f"===== {name} {getattr(backend, '__name__', backend)}: host loop {host * 1e3:.2f} ms/call\n" + stats)
 text = "\n".join(out)
 if os.environ.get("OUT"):
     open(os.path.join(os.environ["OUT"], f"host_profile_{name}.txt"), "w").write(text)

@@ -62,7 +62,7 @@ def main() -> None:
         except Exception:       # noqa: BLE001  (the other convention)
             continue
     before = tlaunch._snapshot((x, y, size))
-    fast = tlaunch._make_fast(binary, (x, y, size), (1024,), grid, before)
+    tlaunch._make_fast(binary, (x, y, size), (1024,), grid, before)
     trusted = set().union(*tlaunch._trusted.values()) if tlaunch._trusted else set()
     rows.append((f"torchfuse verified conventions: {sorted(trusted)}", float("nan")))
     for name, bind in tlaunch._conventions(binary, (1024,), 0):

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from ..ir.buffers import AliasView, BufferRef, FallbackCall, Layout, LoweredGraph, is_row_major
-from ..ir.nodes import INDEX, Node, const, loads as _ir_loads, py_index
+from ..ir.nodes import INDEX, Node, loads as _ir_loads, py_index
 from ..scheduler.collectives import collective_name, is_start, is_wait
 from ..scheduler.fusion import Kernel
 from ..scheduler.memory_order import returns_fresh, sink_steps, step_refs

@@ -1,6 +1,9 @@
 """The `torch.compile` backend: Dynamo hands us a torch-level graph, AOTAutograd turns it into
 forward/backward (or inference) aten graphs with our decompositions, and each aten graph goes
-through the core pipeline (`runtime.compiled_graph.compile_graph`).
+to `graph_compile.compile_aten_graph`, which runs the core pipeline (`pipeline.compile_graph`)
+on it and adds CUDA graphs under reduce-overhead.  Where the graph-level cache is usable, the
+compilers are wrapped by `graph_cache` so that AOTAutograd's own cache can store and restore
+the generated code (a hit skips AOTAutograd and the pipeline).
 """
 from __future__ import annotations
 

@@ -7,14 +7,26 @@
     print(ctx.flushes)                      # a table: why each flush happened, ops, kernels,
                                             # cache hit, time
 
+The modules, top-down: each imports only those below it; where a lower one must call an upper
+one it calls a hook in `state.hooks`, which the upper module sets when it is imported.
+
+    context   `LazyContext` and `lazy()`: entering and leaving a block, its options, its flush log
+    capture   modules called again at a block's top level run compiled (Dynamo + torchfuse)
+    mode      `LazyMode`'s dispatch handler: record each aten op, or run it eagerly
+    graph     `LazyNode`s, the pending graph, flushing it (compile and run, or replay) and publishing
+    trace     op prediction: the trie of recorded op sequences and the flushes seen at its steps
+    cache     compiled graphs by signature (exact, and without sizes); compiles through the pipeline
+    tensor    `LazyTensor`, the wrapper handed out for a pending value
+    state     the open blocks of each thread, the `LazyMode` type, the mode stack, the hooks
+
 Design (see the modules for details):
 
-* `mode.LazyMode`, a TorchDispatchMode active inside the block, sees every aten op.  Fusible
-  ops (a lowering in `torchfuse.lowering.graph.LOWERINGS` or a torchfuse decomposition; not random,
-  not mutating; strided tensors on one CPU/CUDA device) are recorded as `graph.LazyNode`s; so
-  are matmuls, attention (without dropout), convolutions, cumsum and their backward ops,
-  which run through ATen inside the compiled graph (`lazy(defer_matmuls=False)` runs them
-  eagerly instead).  Outputs are `tensor.LazyTensor`s, wrapper subclasses with eager mode's
+* `LazyMode` (its handler in `mode`), a TorchDispatchMode active inside the block, sees every
+  aten op.  Fusible ops (a lowering in `torchfuse.lowering.registry.LOWERINGS` or a torchfuse
+  decomposition; not random, not mutating; strided tensors on one CPU/CUDA device) are
+  recorded as `graph.LazyNode`s; so are matmuls, attention (without dropout), convolutions,
+  cumsum and their backward ops, which run through ATen inside the compiled graph
+  (`lazy(defer_matmuls=False)` runs them eagerly instead).  Outputs are `tensor.LazyTensor`s, wrapper subclasses with eager mode's
   sizes, strides and dtype computed by the ops' meta kernels -- once per (op, scalars, input
   layouts): `mode.Plan`s cache that, so recording an op again is a dict lookup.  Everything
   else runs eagerly on computed inputs.

@@ -389,6 +389,7 @@ def _compile(order: list["LazyNode"], steps: list, outs: tuple, leaves: list[tor
     with symbolic sizes if the core can, else with static sizes."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    # imported at the first compile: `import torchfuse` does not load the compiler
     from ..frontend.decompositions import decomposition_table
     from ..pipeline import compile_graph, eager_fallback, try_compile_graph
     counters.bump("lazy_compiles")

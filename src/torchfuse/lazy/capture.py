@@ -42,9 +42,12 @@ import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from .tensor import LazyTensor
+from .graph import FlushRecord, flush
+from .state import LazyMode, current_context, pop_lazy_modes, push_modes
+from .tensor import LazyTensor, materialize, unwrap
 
 if TYPE_CHECKING:
     from .context import LazyContext
@@ -109,7 +112,6 @@ def _pre_hook(module: torch.nn.Module, args: Any) -> None:
     """Arms a top-level module called inside a lazy block at its first call (for its next)."""
     if module in _inner:
         return None
-    from .context import current_context
     ctx = current_context()
     if ctx is None or not ctx.capture_modules or torch.compiler.is_compiling():
         return None
@@ -135,7 +137,6 @@ class _CapturedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
-        from .context import current_context
         ctx = current_context()
         state = _states.get(module) if module is not None else None
         if (ctx is None or state is None or state.failed or not ctx.capture_modules
@@ -153,8 +154,6 @@ class _CapturedCall:
 
 def _run_compiled(module: torch.nn.Module, state: _ModuleState, ctx: "LazyContext",
                   args: tuple, kwargs: dict) -> Any:
-    from .context import pop_lazy_modes, push_modes
-    from .graph import FlushRecord
     compiled = state.compiled.get(ctx.token)
     if compiled is None:
         compiled = state.compiled[ctx.token] = _compile(module, ctx)
@@ -188,6 +187,8 @@ def _run_compiled(module: torch.nn.Module, state: _ModuleState, ctx: "LazyContex
 
 
 def _compile(module: torch.nn.Module, ctx: "LazyContext") -> Callable:
+    # imported at the first capture: the Dynamo frontend takes ~2 s to import, which
+    # `import torchfuse` does not pay
     from ..frontend.dynamo import TorchfuseBackend
     ref = weakref.ref(module)
 
@@ -202,21 +203,17 @@ def _compile(module: torch.nn.Module, ctx: "LazyContext") -> Callable:
 
 
 def _lazy_mode_on_top() -> bool:
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    from .mode import LazyMode
     return isinstance(_get_current_dispatch_mode(), LazyMode)
 
 
 def _compute(values: list[LazyTensor], ctx: "LazyContext", reason: str) -> None:
     """Compute the pending ones of `values` in one flush."""
-    from .graph import flush
     pending = [(t._lz_node, t._lz_idx) for t in values if t._lz_real is None and t._lz_node is not None]
     if pending:
         flush(pending, reason, ctx)
 
 
 def _plain(t: LazyTensor) -> torch.Tensor:
-    from .tensor import materialize
     return materialize(t, "a compiled module call")
 
 
@@ -282,8 +279,6 @@ def _guard_backward(out: Any, sequence: int | None) -> None:
 
 
 def _enter_compiled_backward(grad_outputs: tuple) -> tuple | None:
-    from .context import pop_lazy_modes
-    from .tensor import unwrap
     _popped.stack.append(pop_lazy_modes())
     if not any(isinstance(g, LazyTensor) for g in grad_outputs):
         return None
@@ -291,7 +286,6 @@ def _enter_compiled_backward(grad_outputs: tuple) -> tuple | None:
 
 
 def _leave_compiled_backward(grad_inputs: tuple, grad_outputs: tuple) -> None:
-    from .context import push_modes
     if _popped.stack:
         push_modes(_popped.stack.pop())
 
@@ -301,7 +295,6 @@ def _leave_compiled_backward(grad_inputs: tuple, grad_outputs: tuple) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _enter_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    from .context import current_context, pop_lazy_modes
     ctx = current_context()
     if ctx is None or not _lazy_mode_on_top():
         _popped.stack.append([])
@@ -312,6 +305,5 @@ def _enter_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _leave_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    from .context import push_modes
     if _popped.stack:
         push_modes(_popped.stack.pop())

@@ -16,7 +16,6 @@ import functools
 import itertools
 import logging
 import os
-import threading
 import weakref
 from typing import Any, Callable, Iterator, Mapping
 
@@ -29,7 +28,8 @@ from ..passes import check_names
 from . import capture, trace
 from .cache import config_token
 from .graph import FlushLog, FlushRecord, LazyNode, flush
-from .mode import LazyMode
+from .mode import LazyMode           # (from mode, not state: mode installs its dispatch handler)
+from .state import hooks, open_contexts, pop_lazy_modes, push_modes
 from .tensor import LazyTensor
 
 log = logging.getLogger("torchfuse.lazy")
@@ -45,22 +45,6 @@ MAX_LOG = 20000
 _ids = itertools.count()
 
 
-class _State(threading.local):
-    def __init__(self) -> None:
-        self.contexts: list[LazyContext] = []   # open lazy blocks of this thread, innermost last
-
-
-_state = _State()
-
-
-def open_contexts() -> list["LazyContext"]:
-    return _state.contexts
-
-
-def current_context() -> "LazyContext | None":
-    return _state.contexts[-1] if _state.contexts else None
-
-
 _default: "LazyContext | None" = None
 
 
@@ -70,6 +54,9 @@ def default_context() -> "LazyContext":
     if _default is None:
         _default = LazyContext()
     return _default
+
+
+hooks.default_context = default_context
 
 
 _CONFIGS: dict[tuple, Config] = {}
@@ -94,21 +81,6 @@ def _config(options: Mapping[str, Any] | None) -> Config:
         config = _CONFIGS[key] = Config.from_options(options)
         check_names(config.passes)
     return config
-
-
-def pop_lazy_modes() -> list:
-    """Pop our modes off the top of the dispatch mode stack (see `suspended`); returns them for
-    `push_modes`.  Plain functions: flushes call this pair and a generator-based context
-    manager costs microseconds."""
-    popped = []
-    while isinstance(_get_current_dispatch_mode(), LazyMode):
-        popped.append(_pop_mode())
-    return popped
-
-
-def push_modes(popped: list) -> None:
-    for m in reversed(popped):
-        _push_mode(m)
 
 
 @contextlib.contextmanager
@@ -174,7 +146,7 @@ class LazyContext:
         mode = LazyMode(self)
         _push_mode(mode)
         self._entered.append((mode, outer))
-        _state.contexts.append(self)
+        open_contexts().append(self)
         capture.block_entered()
         return self
 
@@ -187,9 +159,10 @@ class LazyContext:
             log.warning("torchfuse.lazy: dispatch modes were not exited in order")
         # (no mode at all: ours was taken off by a compiled backward or an optimizer step that
         # raised before putting it back)
-        for i in range(len(_state.contexts) - 1, -1, -1):
-            if _state.contexts[i] is self:
-                del _state.contexts[i]
+        contexts = open_contexts()
+        for i in range(len(contexts) - 1, -1, -1):
+            if contexts[i] is self:
+                del contexts[i]
                 break
         capture.block_exited()
         try:
@@ -359,7 +332,7 @@ def _install_print_guard() -> None:
 
     @functools.wraps(original)
     def _str(self: torch.Tensor, *, tensor_contents: Any = None) -> str:
-        if _state.contexts:
+        if open_contexts():
             with suspended():
                 return original(self, tensor_contents=tensor_contents)
         return original(self, tensor_contents=tensor_contents)

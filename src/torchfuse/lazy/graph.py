@@ -10,7 +10,8 @@ ops, which also applies torchfuse's decompositions and gives every node a FakeTe
 `meta["val"]`), compiles it with `compile_graph`, runs it on the leaves and publishes the results
 into the waiting `LazyTensor` wrappers.  Compiled graphs are cached by a structural signature
 (op sequence with baked-in scalar arguments, how nodes connect, and dtype/size/stride of every
-leaf), so a loop that records the same ops every step compiles once.
+leaf), so a loop that records the same ops every step compiles once; a flush at a point of a
+predicted trace that flushed before runs again what that flush ran (`try_replay`, see trace.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ import torch
 from ..counters import counters
 from . import cache, trace
 from .cache import Slot, fill
+from .state import hooks, pop_lazy_modes, push_modes
+from .tensor import attach_real
 
 if TYPE_CHECKING:
     from .context import LazyContext
@@ -245,11 +248,10 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
 def clear_cache() -> None:
     """Forget compiled graphs, recording plans and op predictions (kernel libraries stay in
     their own cache)."""
-    from .mode import clear_plans
     cache.clear()
     trace.clear()
     _META_CACHE.clear()
-    clear_plans()
+    hooks.clear_plans()
 
 
 @dataclass
@@ -307,14 +309,13 @@ class FlushLog(list):
 
 def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | None") -> None:
     """Compute the pending `values` (and nothing they do not need) and publish them."""
-    from .context import pop_lazy_modes, push_modes
     values = [v for v in values if v[0].results is None or v[0].results[v[1]] is None]
     if not values:
         return
     popped = pop_lazy_modes()          # flushing runs plain torch code, not recorded
     try:
         predicted = ctx is not None and ctx.cursor is not None and ctx.cursor.func is not None
-        if predicted and trace.try_replay(ctx, values, reason):
+        if predicted and try_replay(ctx, values, reason):
             return
         key = trace.replay_key(ctx, values) if predicted else None
         roots: dict[tuple[int, int], tuple[LazyNode, int]] = {}
@@ -336,6 +337,53 @@ def flush(values: list[tuple[LazyNode, int]], reason: str, ctx: "LazyContext | N
         push_modes(popped)
 
 
+def try_replay(ctx: "LazyContext", values: list, reason: str) -> bool:
+    """Run the flush of `values` the way it ran the last time the trace ended at this step;
+    False if there is no such flush (the caller does the ordinary flush, then `trace.remember`)."""
+    step = ctx.cursor
+    if step is None or not step.replays:
+        return False
+    key = trace.replay_key(ctx, values)
+    rep = step.replays.get(key) if key is not None else None
+    if rep is None:
+        return False
+    if rep.entry.evicted:          # the compiled-graph cache dropped it (LRU bound, clear())
+        del step.replays[key]
+        return False
+    if not rep.entry.checked:      # its first run failed before its outputs were checked
+        return False
+    t0 = time.perf_counter()
+    nodes = ctx.trace
+    leaves: list = []
+    seen: dict[int, int] = {}
+    pattern = rep.leaf_pattern
+    for (pos, i), want in zip(rep.leaf_occ, pattern):
+        t = nodes[pos].inputs[i]
+        j = seen.get(id(t))
+        if j is None:
+            j = seen[id(t)] = len(leaves)
+            leaves.append(t)
+        if j != want:
+            return False           # other tensors shared (or not) than when the graph was made
+    roots = [(nodes[p], k) for p, k in rep.roots_pos]
+    with torch.no_grad():
+        outs = rep.entry.call(leaves)
+    del leaves
+    finish_outputs(rep.entry, outs, roots)
+    for (node, k), out in zip(roots, outs):
+        publish(node, [out if j == k else None for j in range(len(node.descs))])
+    for node, k in values:
+        _replay_views(node, k)
+    for p, k in rep.views_pos:
+        _replay_views(nodes[p], k)
+    counters.bump("lazy_flushes")
+    counters.bump("lazy_cache_hits")
+    counters.bump("lazy_replays")
+    ctx._log_flush(FlushRecord(reason, len(rep.order_pos), len(roots), rep.entry.kernels, True, None,
+                               1e3 * (time.perf_counter() - t0), rep.funcs, len(roots) - rep.n_requested))
+    return True
+
+
 def _replay_views(node: LazyNode, k: int) -> None:
     """Materialize a pending view by re-applying the view ops to its (now real) base: views stay
     views of their base's storage, as in eager mode."""
@@ -355,7 +403,6 @@ def _replay_views(node: LazyNode, k: int) -> None:
 
 def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
     """Store computed outputs in `node` and hand them to its live wrappers."""
-    from .tensor import attach_real
     results = node.results
     if results is None:
         results = node.results = [None] * len(node.descs)
@@ -441,8 +488,7 @@ def _run_graph(roots: list[tuple[LazyNode, int]], device: torch.device, reason: 
     """Compile (or take from the cache) and run the graph computing `roots`; returns the live
     pending views whose base it computed (to be replayed by the caller).  With a `replay_key`
     (see trace.py) the flush is remembered at the block's trie step for replaying."""
-    from .context import default_context
-    ctx = ctx or default_context()
+    ctx = ctx or hooks.default_context()
     t0 = time.perf_counter()
     order = topo([r[0] for r in roots])
     n_requested = len(roots)
@@ -522,3 +568,6 @@ def _aliasing_outputs(outs: list[torch.Tensor], leaves: list[torch.Tensor]) -> t
 
 def _copy_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+hooks.flush = flush

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import extend
-from . import trace
+from . import cache, trace
 from .graph import LazyNode, Unrecordable, flush, output_descs, ref_real, scan, storage_key, topo, view_root
+from .state import LazyMode, current_context, hooks, open_contexts
 from .tensor import LazyTensor, materialized_wrapper, new_wrapper, sync_storage, unwrap
 
 if TYPE_CHECKING:
@@ -41,12 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("torchfuse.lazy")
 aten = torch.ops.aten
-
-
-class LazyMode(TorchDispatchMode):
-    def __init__(self, ctx: "LazyContext"):
-        super().__init__()
-        self.ctx = ctx
 
 
 def _lazy_torch_dispatch(self: LazyMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -60,9 +54,9 @@ def _lazy_torch_dispatch(self: LazyMode, func: Any, types: Any, args: tuple = ()
     return dispatch(ctx, func, args, kwargs or {})
 
 
-# Assigned after the class body on purpose: TorchDispatchMode.__init_subclass__ wraps a
-# __torch_dispatch__ defined in the body with torch._disable_dynamo, which costs about 2 us on
-# every op; this handler is never traced by Dynamo.
+# Assigned outside the class body (state.LazyMode) on purpose: TorchDispatchMode.__init_subclass__
+# wraps a __torch_dispatch__ defined in the body with torch._disable_dynamo, which costs about
+# 2 us on every op; this handler is never traced by Dynamo.
 LazyMode.__torch_dispatch__ = _lazy_torch_dispatch  # type: ignore[method-assign]
 
 
@@ -100,7 +94,6 @@ _INFO: dict[int, OpInfo] = {}
 def _forget(op: Any) -> None:
     """A decomposition or lowering was registered for `op`: decide about it again, and drop the
     graphs compiled with the old decision."""
-    from . import cache
     _INFO.pop(id(op), None)
     cache.clear()
 
@@ -161,6 +154,8 @@ def _dropout_pos(func: Any) -> int | None:
 
 
 def _fusible_target(func: Any) -> bool:
+    # imported at the first op recorded: the lowerings take ~2 s to import, which
+    # `import torchfuse` does not pay
     from ..frontend.decompositions import decomposition_table
     from ..lowering import ops as lower_ops  # noqa: F401  (registers the lowerings)
     from ..lowering.registry import LOWERINGS
@@ -675,7 +670,6 @@ def eager_call(func: Any, args: tuple, kwargs: dict, ctx: "LazyContext | None", 
                outside: bool = False) -> Any:
     """Run `func` eagerly: compute pending inputs, protect pending readers of memory it writes,
     run it on real tensors, hand back in-place / out= results as the caller's own tensors."""
-    from .context import current_context, open_contexts
     info = _INFO.get(id(func)) or op_info(func)
     if info.mutated:
         written: list = []
@@ -762,7 +756,6 @@ def _before_write(written: list, reason: str, ctx: "LazyContext | None") -> None
     through a computation (their eager value was fixed before the write).  Pending views of
     that memory are left alone, they must see the write.  Pending written tensors themselves are
     computed too (the eager op needs their memory)."""
-    from .context import current_context, open_contexts
     keys: set = set()
     need: list = []
     for t in written:
@@ -795,3 +788,7 @@ def _before_write(written: list, reason: str, ctx: "LazyContext | None") -> None
         need.extend(v for v in live if deps.get(id(v[0]), set()) & keys)
     if need:
         flush(need, reason, ctx or current_context())
+
+
+hooks.eager_call = eager_call
+hooks.clear_plans = clear_plans

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .state import current_context, hooks
+
 if TYPE_CHECKING:
     from .graph import LazyNode
 
@@ -41,8 +43,7 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         # Reached when no lazy mode is active (the value escaped its block) or when another
         # mode sits above ours: compute what is pending and run the op eagerly.
-        from .mode import eager_call
-        return eager_call(func, args, kwargs or {}, None, outside=True)
+        return hooks.eager_call(func, args, kwargs or {}, None, outside=True)
 
     # -- Python-level ways of reading data that bypass the dispatcher -----------------------
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -151,9 +152,7 @@ def materialize(w: LazyTensor, reason: str) -> torch.Tensor:
     if node is None:
         raise RuntimeError("torchfuse.lazy: a LazyTensor without a value or a recorded op")
     if not node.resolved(k):
-        from .context import current_context
-        from .graph import flush
-        flush([(node, k)], reason, current_context())
+        hooks.flush([(node, k)], reason, current_context())
     real = node.results[k]
     if w._lz_real is None:       # published to another wrapper only (in-place rebinding)
         attach_real(w, real)

@@ -13,9 +13,9 @@ adds a step.
 
 Since a trie path fixes the whole pending graph (ops, scalars, how nodes connect, leaf layouts),
 a flush whose trace ends at a step seen flushing before, with the same values requested and
-alive, replays that flush (`Replay`): the compiled graph it used, which of the nodes' inputs are
-its leaves, which outputs go to which nodes -- no topological sort, no signature, no cache
-lookup.  Anything unusual (an in-place op recorded functionally, a pending input recorded before
+alive, replays that flush (a `Replay`, run by `graph.try_replay`): the compiled graph it used,
+which of the nodes' inputs are its leaves, which outputs go to which nodes -- no topological
+sort, no signature, no cache lookup.  Anything unusual (an in-place op recorded functionally, a pending input recorded before
 the last flush, a node computed meanwhile) only turns the prediction off until the next flush:
 the ordinary path is always correct.
 
@@ -25,12 +25,10 @@ signature); per block, `trace_hits` / `trace_misses` (ops predicted or not).
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..counters import counters
 from .tensor import LazyTensor
 
 if TYPE_CHECKING:
@@ -277,54 +275,6 @@ def replay_key(ctx: "LazyContext", values: list) -> tuple | None:
                 if w is not None and w._lz_node is node:
                     alive.append((pos, k))
     return tuple(req), tuple(alive)
-
-
-def try_replay(ctx: "LazyContext", values: list, reason: str) -> bool:
-    """Run the flush of `values` the way it ran the last time the trace ended at this step;
-    False if there is no such flush (the caller does the ordinary flush, then `remember`)."""
-    from .graph import FlushRecord, _replay_views, finish_outputs, publish
-    step = ctx.cursor
-    if step is None or not step.replays:
-        return False
-    key = replay_key(ctx, values)
-    rep = step.replays.get(key) if key is not None else None
-    if rep is None:
-        return False
-    if rep.entry.evicted:          # the compiled-graph cache dropped it (LRU bound, clear())
-        del step.replays[key]
-        return False
-    if not rep.entry.checked:      # its first run failed before its outputs were checked
-        return False
-    t0 = time.perf_counter()
-    trace = ctx.trace
-    leaves: list = []
-    seen: dict[int, int] = {}
-    pattern = rep.leaf_pattern
-    for (pos, i), want in zip(rep.leaf_occ, pattern):
-        t = trace[pos].inputs[i]
-        j = seen.get(id(t))
-        if j is None:
-            j = seen[id(t)] = len(leaves)
-            leaves.append(t)
-        if j != want:
-            return False           # other tensors shared (or not) than when the graph was made
-    roots = [(trace[p], k) for p, k in rep.roots_pos]
-    with torch.no_grad():
-        outs = rep.entry.call(leaves)
-    del leaves
-    finish_outputs(rep.entry, outs, roots)
-    for (node, k), out in zip(roots, outs):
-        publish(node, [out if j == k else None for j in range(len(node.descs))])
-    for node, k in values:
-        _replay_views(node, k)
-    for p, k in rep.views_pos:
-        _replay_views(trace[p], k)
-    counters.bump("lazy_flushes")
-    counters.bump("lazy_cache_hits")
-    counters.bump("lazy_replays")
-    ctx._log_flush(FlushRecord(reason, len(rep.order_pos), len(roots), rep.entry.kernels, True, None,
-                               1e3 * (time.perf_counter() - t0), rep.funcs, len(roots) - rep.n_requested))
-    return True
 
 
 def remember(ctx: "LazyContext", key: tuple | None, entry: "Entry", order: list, roots: list, views: list,

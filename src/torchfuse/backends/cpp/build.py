@@ -14,7 +14,6 @@ import ctypes
 import hashlib
 import json
 import logging
-import os
 import platform
 import shutil
 import subprocess
