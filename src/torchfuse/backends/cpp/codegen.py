@@ -498,8 +498,14 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     params += [f"const int64_t {s}" for s in syms_list]
     short_inner = kernel.kind == "pointwise" and _interleaves_short_inner(plan)
     # the vars a vector loop may run over: the innermost of each loop nest (and the one around a
-    # short innermost loop)
-    lane_vars = {f"{prefix}{len(dims) - 1}" for prefix, dims in (("x", plan.outer), ("y", plan.inner)) if dims}
+    # short innermost loop).  A row reduction's outer loop is scalar (its vector loops run over
+    # the inner vars), so a gather at an offset loaded per row (an embedding's row) is the same
+    # in every lane: an int32 cast there only turns its contiguous loads into gathers (3.5x
+    # slower for an embedding + LayerNorm kernel)
+    row_kernel = kernel.scatter is None and kernel.kind != "pointwise" and bool(plan.outer) \
+        and not column_plan(plan)
+    lane_vars = {f"{prefix}{len(dims) - 1}" for prefix, dims in (("x", plan.outer), ("y", plan.inner))
+                 if dims and not (prefix == "x" and row_kernel)}
     if short_inner:
         lane_vars.add(f"x{len(plan.outer) - 2}")
     em = Emitter(buffer_dtypes, int32_buffers, frozenset(lane_vars))
