@@ -95,10 +95,14 @@ def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: b
     m = plan.members[0]
     rows = plan.outer[-1] if len(plan.outer) > 1 else None
     row = _contiguous_row(m, f"x{len(plan.outer) - 1}") if rows is not None else None
-    if row is not None:
+    if row is not None and para is None and not atomic:
+        _emit_scatter_contiguous_staged(em, plan, m, *row)
+    elif row is not None:
         _emit_scatter_contiguous(em, plan, m, para, atomic, *row, pragma=pragma)
     elif rows is not None and rows.op == "const" and rows.arg <= SCATTER_ROW_MAX:
         _emit_scatter_rows(em, plan, m, para, atomic, pragma=pragma)
+    elif para is None and not atomic:
+        _emit_scatter_blocked(em, plan, m)
     else:
         _emit_loops(em, [f"x{j}" for j in range(len(plan.outer))], plan.outer, para,
                     lambda: _emit_update(em, m.buffer, em.value(m.body), em.tmp(em.index(m.store), INDEX), atomic),
@@ -175,6 +179,68 @@ def _emit_scatter_contiguous(em: Emitter, plan: LoopPlan, m, para: str | None, a
     _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False, pragma=pragma)
 
 
+def _emit_scatter_contiguous_staged(em: Emitter, plan: LoopPlan, m, cond: Node | None, base: Node) -> None:
+    """_emit_scatter_contiguous on one thread, its rows in blocks: per block, each row's
+    condition, start and per-row factors are computed in a vector loop into local arrays (only
+    where the condition holds, as before), then the rows are added one by one.  Per row, the
+    factors (a GAT edge's exp of its score over its softmax sum) ran scalar, ~10 ns an edge."""
+    n = len(plan.outer)
+    last, rowv, buf = f"x{n - 1}", f"x{n - 2}", m.buffer
+    size = em.index(plan.outer[-2])
+    invs = _row_invariants(m.body, last)
+    names = [f"tf_inv{k}_{buf.name}" for k in range(len(invs))]
+    oks, starts = f"tf_ok_{buf.name}", f"tf_start_{buf.name}"
+    blk = SCATTER_BLOCK
+
+    def block() -> None:
+        em.line(f"bool {oks}[{blk}]; int64_t {starts}[{blk}];")
+        for name, inv in zip(names, invs):
+            em.line(f"{CTYPE[inv.dtype]} {name}[{blk}];")
+        em.line(f"const int64_t tf_blk_n = std::min<int64_t>({blk}, ({size}) - tf_blk);")
+        em.line(f"#pragma omp simd{em.check_clause}")
+        em.line("for (int64_t tf_j = 0; tf_j < tf_blk_n; ++tf_j) {")
+        em.push()
+        em.line(f"const int64_t {rowv} = tf_blk + tf_j;")
+        em.open_vars.append(rowv)
+        ok = em.value(cond) if cond is not None else "true"
+        em.line(f"{oks}[tf_j] = {ok};")
+        em.line(f"if ({ok}) {{")
+        em.push()
+        em.line(f"{starts}[tf_j] = {em.index(base)};")
+        for name, inv in zip(names, invs):
+            em.line(f"{name}[tf_j] = {em.value(inv)};")
+        em.pop()
+        em.line("}")
+        em.open_vars.pop()
+        em.pop()
+        em.line("}")
+        em.line("for (int64_t tf_j = 0; tf_j < tf_blk_n; ++tf_j) {")
+        em.push()
+        em.line(f"if ({oks}[tf_j]) {{")
+        em.push()
+        em.line(f"const int64_t {rowv} = tf_blk + tf_j;")     # the row's offsets (index math) are not staged
+        for name, inv in zip(names, invs):
+            em.scopes[-1][inv] = f"{name}[tf_j]"     # the row loop reads the staged factor
+        em.line("#pragma omp simd")
+        em.line(f"for (int64_t {last} = 0; {last} < {em.index(plan.outer[-1])}; ++{last}) {{")
+        em.push()
+        _emit_update(em, buf, em.value(m.body), f"{starts}[tf_j] + {last}", False, checked=True)
+        em.pop()
+        em.line("}")
+        em.pop()
+        em.line("}")
+        em.pop()
+        em.line("}")
+
+    def outer() -> None:
+        em.line(f"for (int64_t tf_blk = 0; tf_blk < ({size}); tf_blk += {blk}) {{")
+        em.push()
+        block()
+        em.pop()
+        em.line("}")
+    _emit_loops(em, [f"x{j}" for j in range(n - 2)], plan.outer[:-2], None, outer, simd_last=False)
+
+
 def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool,
                        pragma: str = "omp parallel for") -> None:
     """A scatter of rows (a message per edge and feature): per row, the values and offsets are
@@ -206,6 +272,49 @@ def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic:
 
 # rows up to this long are staged in local arrays (_emit_scatter_rows)
 SCATTER_ROW_MAX = 1024
+
+# elements per block of a serial scatter's staged values (_emit_scatter_blocked)
+SCATTER_BLOCK = 64
+
+
+def _emit_scatter_blocked(em: Emitter, plan: LoopPlan, m) -> None:
+    """A serial scatter along a long (or symbolic) last loop, in blocks: per block, the values and
+    offsets are computed in a vector loop into local arrays, then applied one by one.  In one
+    scalar loop with the update, everything fused into the scatter ran scalar: a GAT layer's
+    per-edge score, leaky_relu and exp cost ~6 ns an edge per scatter (Inductor stages them the
+    same way)."""
+    n = len(plan.outer)
+    last, buf = f"x{n - 1}", m.buffer
+    vals, offs = f"vals_{buf.name}", f"offs_{buf.name}"
+    size = em.index(plan.outer[-1])
+
+    def block() -> None:
+        em.line(f"{CTYPE[buf.dtype]} {vals}[{SCATTER_BLOCK}]; int64_t {offs}[{SCATTER_BLOCK}];")
+        em.line(f"const int64_t tf_blk_n = std::min<int64_t>({SCATTER_BLOCK}, ({size}) - tf_blk);")
+        em.line(f"#pragma omp simd{em.check_clause}")
+        em.line("for (int64_t tf_j = 0; tf_j < tf_blk_n; ++tf_j) {")
+        em.push()
+        em.line(f"const int64_t {last} = tf_blk + tf_j;")
+        em.open_vars.append(last)
+        v, t = em.value(m.body), em.index(m.store)
+        em.line(f"{vals}[tf_j] = {v};")
+        em.line(f"{offs}[tf_j] = {t};")
+        em.open_vars.pop()
+        em.pop()
+        em.line("}")
+        em.line("for (int64_t tf_j = 0; tf_j < tf_blk_n; ++tf_j) {")
+        em.push()
+        _emit_update(em, buf, f"{vals}[tf_j]", f"{offs}[tf_j]", False)
+        em.pop()
+        em.line("}")
+
+    def outer() -> None:
+        em.line(f"for (int64_t tf_blk = 0; tf_blk < ({size}); tf_blk += {SCATTER_BLOCK}) {{")
+        em.push()
+        block()
+        em.pop()
+        em.line("}")
+    _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], None, outer, simd_last=False)
 
 
 def _emit_update(em: Emitter, buf, v: str, t: str, atomic: bool, checked: bool = False) -> None:
