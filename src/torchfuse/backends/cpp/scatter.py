@@ -95,7 +95,7 @@ def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: b
     m = plan.members[0]
     rows = plan.outer[-1] if len(plan.outer) > 1 else None
     row = _contiguous_row(m, f"x{len(plan.outer) - 1}") if rows is not None else None
-    if row is not None and para is None and not atomic:
+    if row is not None and para is None and not atomic and _costly(_row_invariants(m.body, f"x{len(plan.outer) - 1}")):
         _emit_scatter_contiguous_staged(em, plan, m, *row)
     elif row is not None:
         _emit_scatter_contiguous(em, plan, m, para, atomic, *row, pragma=pragma)
@@ -177,6 +177,16 @@ def _emit_scatter_contiguous(em: Emitter, plan: LoopPlan, m, para: str | None, a
         em.pop()
         em.line("}")
     _emit_loops(em, [f"x{j}" for j in range(n - 1)], plan.outer[:-1], para, row, simd_last=False, pragma=pragma)
+
+
+# ops whose scalar form costs more than staging a row's factor through a local array (with only
+# loads and arithmetic per row, a GCN layer's index_add and an embedding bag ran ~5% slower staged)
+_COSTLY_OPS = frozenset({"exp", "exp2", "expm1", "log", "log2", "log1p", "tanh", "sigmoid", "erf", "truediv",
+                         "rsqrt", "sqrt", "pow", "sin", "cos"})
+
+
+def _costly(nodes: list[Node]) -> bool:
+    return any(x.op in _COSTLY_OPS for n in nodes for x in walk(n))
 
 
 def _emit_scatter_contiguous_staged(em: Emitter, plan: LoopPlan, m, cond: Node | None, base: Node) -> None:
