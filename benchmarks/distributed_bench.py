@@ -292,17 +292,7 @@ def main() -> None:
     if args.fsdp_tp:
         args.bf16 = args.device == "cuda" if args.bf16 is None else args.bf16
         return _main_fsdp_tp(args)
-    if args.device == "cuda" and torch.cuda.device_count() < args.world:
-        sys.exit(f"--world {args.world} needs {args.world} GPUs; {torch.cuda.device_count()} visible")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.json")
-        mp.spawn(_worker, args=(args, port, out), nprocs=args.world)
-        with open(out) as f:
-            results = json.load(f)
+    results = _spawn(_worker, args)
     table = _table(results, args)
     print(table)
     if args.out:
@@ -310,11 +300,9 @@ def main() -> None:
             f.write(table + "\n")
 
 
-def _main_fsdp_tp(args) -> None:
+def _spawn(worker, args) -> list:
+    """`worker(rank, args, port, out)` on `args.world` processes; rank 0's results, from `out`."""
     import tempfile
-    import fsdp_tp_llama
-    if args.world % args.tp:
-        sys.exit(f"--world {args.world} is not a multiple of --tp {args.tp}")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         sys.exit(f"--world {args.world} needs {args.world} GPUs; {torch.cuda.device_count()} visible")
     with socket.socket() as s:
@@ -322,9 +310,16 @@ def _main_fsdp_tp(args) -> None:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
-        mp.spawn(fsdp_tp_llama.worker, args=(args, port, out), nprocs=args.world)
+        mp.spawn(worker, args=(args, port, out), nprocs=args.world)
         with open(out) as f:
-            results = json.load(f)
+            return json.load(f)
+
+
+def _main_fsdp_tp(args) -> None:
+    import fsdp_tp_llama
+    if args.world % args.tp:
+        sys.exit(f"--world {args.world} is not a multiple of --tp {args.tp}")
+    results = _spawn(fsdp_tp_llama.worker, args)
     cfg = fsdp_tp_llama.SIZES[args.size]
     header = (f"<!-- python benchmarks/distributed_bench.py --fsdp-tp --device {args.device} --world {args.world} "
               f"--tp {args.tp} --size {args.size} --steps {args.steps}{' --bf16' if args.bf16 else ''} -->\n"
