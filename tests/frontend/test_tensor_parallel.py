@@ -10,7 +10,6 @@ collectives, with no graph break and no graph run eagerly (strict mode)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+
+from tests.frontend.test_distributed import _free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -155,12 +156,6 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
                        os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fsdp2_tensor_parallel_training_matches_one_process(tmp_path):
