@@ -247,9 +247,9 @@ def gat_layer(x, src, dst, w, a_s, a_d):
     n = x.shape[0]
     h = x @ w
     e = F.leaky_relu((h * a_s).sum(-1)[src] + (h * a_d).sum(-1)[dst], 0.2)
-    m = torch.full((n,), float("-inf")).scatter_reduce(0, dst, e, "amax", include_self=True)
+    m = torch.full((n,), float("-inf"), dtype=x.dtype).scatter_reduce(0, dst, e, "amax", include_self=True)
     p = (e - m[dst]).exp()
-    s = torch.zeros(n).scatter_add(0, dst, p)
+    s = torch.zeros(n, dtype=x.dtype).scatter_add(0, dst, p)
     alpha = p / (s[dst] + 1e-16)
     return F.elu(torch.zeros_like(h).index_add_(0, dst, h[src] * alpha[:, None]))
 

@@ -8,11 +8,12 @@ import subprocess
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import torchfuse
 from torchfuse.backends.cpp.codegen import translation_unit
 from torchfuse.config import Config
+
+from tests.lowering.test_scatter import gat_layer
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
@@ -23,16 +24,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def _gat(x, src, dst, w, a_s, a_d):
-    n = x.shape[0]
-    h = x @ w
-    e = F.leaky_relu((h * a_s).sum(-1)[src] + (h * a_d).sum(-1)[dst], 0.2)
-    m = torch.full((n,), float("-inf"), dtype=x.dtype).scatter_reduce(0, dst, e, "amax", include_self=True)
-    p = (e - m[dst]).exp()
-    s = torch.zeros(n, dtype=x.dtype).scatter_add(0, dst, p)
-    return F.elu(torch.zeros_like(h).index_add_(0, dst, h[src] * (p / (s[dst] + 1e-16))[:, None]))
 
 
 def _serial_vectorized_lines(source: str, name: str, tmp_path) -> tuple[int, set[int]]:
@@ -56,7 +47,7 @@ def test_gat_layer_one_thread(tf, one_thread, nodes, edges, tmp_path):
     x = tf.rand((nodes, 24))
     src, dst = torch.randint(0, nodes, (edges,)), torch.randint(0, nodes, (edges,))   # colliding
     args = (x, src, dst, tf.rand((24, 17)) / 4, tf.rand((17,)), tf.rand((17,)))
-    e = tf.check(_gat, *args, kernels=5, allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
+    e = tf.check(gat_layer, *args, kernels=5, allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
     scatters = [k for k in e.kernels if "omp_get_max_threads() == 1" in k.source]
     assert len(scatters) == 3, [k.name for k in e.kernels]
     for k in scatters:
