@@ -97,21 +97,11 @@ def interleaved(steps: dict[str, Callable], rounds: int) -> dict[str, float]:
 
 def host_profile(step: Callable, calls: int = 50, top: int = 20) -> str:
     """cProfile of `calls` steps by own time: where a host-bound step spends its time."""
-    import cProfile
-    import io
-    import pstats
+    from profile_text import cprofile_text
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(calls):
-        step()
-    pr.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    return s.getvalue()
+    return cprofile_text(step, calls, tottime_rows=top, cumulative_rows=0)
 
 
 def run_row(row: Row, make: Callable[[str], Callable], rounds: int = 1, profile: bool = False) -> None:

@@ -1,5 +1,5 @@
 """cProfile as text, for the GPU benchmarks' host-side profiles (launch_bench.py --profile,
-probes/host_profile.py).  No side effects on import (cpu_bench.py points the compile caches at
+probes/host_profile.py, cudagraph_bench.py).  No side effects on import (cpu_bench.py points the compile caches at
 fresh folders when imported, so it is not the place)."""
 from __future__ import annotations
 
@@ -23,5 +23,6 @@ def cprofile_text(run: Callable[[], Any], calls: int, tottime_rows: int = 30, cu
     s = io.StringIO()
     st = pstats.Stats(pr, stream=s)
     st.sort_stats("tottime").print_stats(tottime_rows)
-    st.sort_stats("cumulative").print_stats(cumulative_rows)
+    if cumulative_rows:
+        st.sort_stats("cumulative").print_stats(cumulative_rows)
     return s.getvalue()
