@@ -2,6 +2,7 @@
 
     python benchmarks/probes/zoo_profile.py --only resnet18 --mode train [--top 15] [--steps 5]
     python benchmarks/probes/zoo_profile.py --device cpu --only llama --mode train
+    python benchmarks/probes/zoo_profile.py --only pyg_gcn --mode infer    # a --zoo library row
 
 For each backend (eager, Inductor, torchfuse) the row's step is compiled, warmed up, then profiled
 for --steps steps.  Printed per backend: wall ms per step (back-to-back, host included), GPU ms
@@ -32,7 +33,7 @@ def _sync(device: str) -> None:
 
 
 def _step(name: str, mode: str, dtype: torch.dtype, backend: str, device: str):
-    zm = BY_NAME[name]
+    zm = BY_NAME.get(name) or _library_row(name)
     model, inputs = zm.make("gpu" if device == "cuda" else "cpu", device, dtype)
     if mode == "train":
         model.train()
@@ -44,6 +45,12 @@ def _step(name: str, mode: str, dtype: torch.dtype, backend: str, device: str):
         with torch.no_grad():
             return compiled(*inputs)
     return infer
+
+
+def _library_row(name: str):
+    """A row of `zoo.py --zoo library` (timm, torchvision, torch_geometric, ... models)."""
+    from zoo_library import LIBRARY_BY_NAME
+    return LIBRARY_BY_NAME[name]
 
 
 def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, top: int,
