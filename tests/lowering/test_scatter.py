@@ -31,13 +31,11 @@ def test_scatter_add_fuses_its_source(tf, backend, dtype):
     index = _idx((23, 5), 7)
     atol, rtol = SUM_TOL.get(dtype, (None, None))
     fn = lambda x, i, s: (torch.scatter_add(x, 0, i, s * 2) + 1,)   # noqa: E731
-    if backend == "triton" and dtype in (torch.bfloat16, torch.float16):   # 16-bit sums: ATen's
-        e = tf.check(fn, x, index, src, options=BACKENDS[backend], allow_fallbacks={"aten.scatter_add.default"})
-        assert [f.op for f in e.fallbacks] == ["aten.scatter_add.default"]
-        return
     e = tf.check(fn, x, index, src, options=BACKENDS[backend], kernels=3, atol=atol, rtol=rtol)
     scatter = [k for k in e.kernels if "mul" in k.nodes]
     assert len(scatter) == 1 and "scatter_add" in scatter[0].nodes, [k.nodes for k in e.kernels]
+    if backend == "triton":     # Triton's default acq_rel fences every update: 2.5x slower (H100)
+        assert "sem='relaxed'" in scatter[0].source, scatter[0].source
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -103,12 +101,7 @@ def test_index_add_and_copy(tf, backend, dtype):
 
     def fn(x, i, s, p):
         return torch.index_add(x, 1, i, s * 3, alpha=2), torch.index_copy(x, 1, p, s[:, :7].neg())
-    if backend == "triton" and dtype == torch.float16:      # a 16-bit sum: ATen's index_add
-        e = tf.check(fn, x, index, src, perm, options=BACKENDS[backend], atol=atol, rtol=rtol,
-                     allow_fallbacks={"aten.index_add.default"})
-        assert [f.op for f in e.fallbacks] == ["aten.index_add.default"]
-        return
-    # (C++: a 16-bit sum accumulates in fp32, and a kernel rounds the output; test_scatter_precision.py)
+    # (a 16-bit sum accumulates in fp32, and a kernel rounds the output; test_scatter_precision.py)
     kernels = 4 if dtype == torch.float16 else 3
     tf.check(fn, x, index, src, perm, options=BACKENDS[backend], kernels=kernels, atol=atol, rtol=rtol)
 

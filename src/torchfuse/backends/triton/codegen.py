@@ -485,9 +485,9 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> N
 # GPUs (Triton's interpreter has none), so bf16 sums run in ATen
 SCATTER_ATOMICS = {"sum": "tl.atomic_add", "amax": "tl.atomic_max", "amin": "tl.atomic_min"}
 _ATOMIC_INTS = frozenset({torch.int32, torch.int64})
-# fp16 and bf16 sums stay in ATen: an atomic add rounds each update to 16 bits, where CUDA's
-# embedding backward and accumulating index_put sum in fp32 (5x eager's error measured on an
-# H100 for an embedding gradient of 20 rows a token)
+# fp16 and bf16 sums accumulate in an fp32 buffer (Features.scatter_wide_sums): an atomic add
+# would round each update to 16 bits, where CUDA's embedding backward and accumulating index_put
+# sum in fp32 (5x eager's error measured on an H100 for an embedding gradient of 20 rows a token)
 SCATTER_DTYPES = {"sum": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS,
                   "amax": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS,
                   "amin": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS}
@@ -507,7 +507,10 @@ def _emit_scatter(em: TritonEmitter, m, mask: str) -> None:
     if buf.scatter == "store":
         em.line(f"tl.store({ptr}, {value}, {ok})")
     else:
-        em.line(f"{SCATTER_ATOMICS[buf.scatter]}({ptr}, {value}, {ok})")
+        # relaxed: a scatter's updates need atomicity, not ordering against other memory
+        # operations; Triton's default (acq_rel) fences every update (a GCN layer's gather-scatter
+        # kernel took 2.5x Inductor's time on an H100, which passes sem='relaxed' too)
+        em.line(f"{SCATTER_ATOMICS[buf.scatter]}({ptr}, {value}, {ok}, sem='relaxed')")
 
 
 def _emit_values(em: TritonEmitter, plan: LoopPlan, members, mask: str) -> None:
