@@ -140,6 +140,35 @@ def test_site_launches_through_the_static_launcher(recorder, monkeypatch):
                                                                          None)
 
 
+def test_site_binds_misaligned_views_as_a_class_of_their_own(recorder):
+    """A view at an odd offset (Triton compiles another binary for it) is bound per alignment
+    pattern: its later calls skip the helper, as aligned ones do, and never get the aligned
+    class's launcher (nor the aligned calls its)."""
+    binary, _ = _binary()
+    bind = dict(triton_conventions.conventions(binary, (1024, 1, False), 0))["static"]
+    helped = []
+
+    def helper(kernel, xnumel, big, *args):
+        aligned = all(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
+        helped.append(aligned)
+
+        def fast(grid, args):
+            bind(grid, (), len(args))(*map(triton_launch._pointer, args))
+        fast.bind = lambda grid, tail, n: (lambda *p: recorder.append(("bound", aligned, p)))
+        return fast, (kernel, (-(-xnumel // 1024), 1, 1), (xnumel, 1), (1024, 1, big), 4, ())
+
+    site = triton_launch.make_site(helper, ("k",), 2, 2, 0)
+    base, y = torch.randn(4001), torch.randn(4000)
+    x, odd = base[:4000], base[1:]
+    for _ in range(3):
+        site(4000, False, x, y)
+        site(4000, False, odd, y)
+    assert helped == [True, False]       # once per class; before: every misaligned call
+    assert [r[1] for r in recorder] == [True, False, True, False]
+    assert recorder[-1][2] == (odd.data_ptr(), y.data_ptr())
+    assert len(site._tf_bound) == 2
+
+
 def _fake_conventions(log: list, tensors: dict, factors: dict):
     """Conventions whose launch computes out = inp * factor on CPU tensors found by address
     (the launchers take pointers as ints), factor None: the convention does not apply."""
