@@ -87,6 +87,9 @@ class ZooModel:
         torch.manual_seed(0)
         model, inputs = self.builder(size, device)
         _calibrate_batchnorm(model, inputs)
+        # calibrating ran the model in fp32 and eval mode: models that cache derived tensors then
+        # (timm's LeViT keeps its attention biases per device) drop them on entering train mode
+        model.train()
         model.eval().to(dtype)
         inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
         if self.channels_last and size == "gpu":
