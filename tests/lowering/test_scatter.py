@@ -77,6 +77,23 @@ def test_scatter_reduce(tf, backend, reduce, include_self):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_amax_amin_are_kernels_and_exact(tf, backend, dtype):
+    """16-bit scatter max/min (a GAT's softmax max over each node's edges, its index expanded
+    over the heads): exact, in kernels on both backends (Triton has no 16-bit atomic max: an
+    fp32 buffer, rounded back without loss), with colliding and negative-free indices."""
+    x, s = tf.rand((40, 3), dtype), tf.rand((300, 3), dtype)
+    dst = torch.randint(0, 40, (300,))
+
+    def fn(x, s, dst):
+        i = dst[:, None].expand(-1, 3)
+        return (torch.scatter_reduce(torch.zeros_like(x), 0, i, s.exp(), "amax", include_self=False) + x,
+                torch.scatter_reduce(x, 0, i, s * 2, "amin"))
+    e = tf.check(fn, x, s, dst, options={"strict": True, **BACKENDS[backend]}, atol=0, rtol=0)
+    assert not e.fallbacks, e
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_scatter_src_value_and_int_amax(tf, backend):
     x = tf.rand((5, 9))
     # a permutation per row: every position is written once, so the stores do not collide

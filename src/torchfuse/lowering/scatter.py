@@ -84,6 +84,17 @@ def wide_sum(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
     return mode == "sum" and dtype in _HALF and lw.backend is not None and lw.backend.features.scatter_wide_sums
 
 
+def _wide_extremum(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
+    """A 16-bit amax/amin the backend has no atomic for, but an fp32 one: exact in an fp32
+    buffer (every 16-bit value is an fp32 value, and so is their max), rounded back without
+    loss.  Triton has no 16-bit atomic max: a GAT's softmax max over each node's edges went to
+    ATen, behind a materialized int64 copy of its expanded index."""
+    if mode not in ("amax", "amin") or dtype not in _HALF or lw.backend is None:
+        return False
+    dtypes = lw.backend.features.scatter_dtypes.get(mode, ())
+    return dtype not in dtypes and torch.float32 in dtypes
+
+
 def _input_in_place(lw: GraphLowering, base: TensorValue) -> str | None:
     """The graph input buffer the current scatter may write in place, or None: its `self` is a
     graph input read by nothing but this op and the `copy_` that stores this op's result back
@@ -125,7 +136,7 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
     A 16-bit sum the backend widens (`wide_sum`) accumulates in an fp32 buffer, returned as is
     with `wide`, else as its value rounded to `dtype` (fused into the readers)."""
     dtype = dtype or lw.out_dtype()
-    if wide_sum(lw, mode, dtype):
+    if wide_sum(lw, mode, dtype) or _wide_extremum(lw, mode, dtype):
         acc = scatter_into(lw, base, fill, domain, target, lambda idx: cast(value(idx), torch.float32), mode,
                            dtype=torch.float32, in_place=False, skip=skip)
         if wide:
