@@ -19,7 +19,8 @@ def cprofile_text(run: Callable[[], Any], calls: int, tottime_rows: int = 30, cu
     for _ in range(calls):
         run()
     pr.disable()
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     s = io.StringIO()
     st = pstats.Stats(pr, stream=s)
     st.sort_stats("tottime").print_stats(tottime_rows)

@@ -54,7 +54,7 @@ def _library_row(name: str):
 
 
 def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, top: int,
-            device: str = "cuda") -> str:
+            device: str = "cuda", host: int = 0) -> str:
     torch._dynamo.reset()
     if backend == "inductor" and device == "cpu":
         # Name Inductor's C++ kernels in the profile too, so the tables compare kernel by kernel.
@@ -82,6 +82,10 @@ def profile(name: str, mode: str, dtype: torch.dtype, backend: str, steps: int, 
     busy = sum(v[0] for v in kernels.values())
     lines = [f"## {name} {mode} {dtype} {backend}: wall {wall:.2f} ms/step, {device.upper()} {busy:.2f} ms/step, "
              f"{sum(v[1] for v in kernels.values()):.0f} {'kernels' if device == 'cuda' else 'ops'}/step"]
+    if host:      # the host's Python by own time: what the wall clock spends beyond the kernels
+        from profile_text import cprofile_text
+        lines.append(f"  host, {steps} steps:")
+        lines += ["  " + line for line in cprofile_text(fn, steps, host, host).splitlines()]
     return "\n".join(lines + top_lines(kernels, top))
 
 
@@ -111,12 +115,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", help="append the report to this file")
+    ap.add_argument("--host", type=int, default=0, metavar="N",
+                    help="also a cProfile of --steps steps: the N functions with the most own time")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     for name in args.only.split(","):
         for backend in args.backends.split(","):
             try:
-                text = profile(name, args.mode, dtype, backend, args.steps, args.top, args.device)
+                text = profile(name, args.mode, dtype, backend, args.steps, args.top, args.device, args.host)
             except Exception as e:  # one failing backend must not lose the others' profiles
                 text = f"## {name} {args.mode} {backend}: failed: {type(e).__name__}: {str(e)[:300]}"
             print(text, flush=True)
