@@ -32,7 +32,14 @@ class Config:
     """Raise instead of warning and falling back to eager when a kernel fails to build.  On a GPU,
     also read the Triton kernels' check results after every graph call (one synchronization per
     call), so a bad index raises at the call that met it rather than at a later call
-    (runtime/kernel_errors.py)."""
+    (runtime/kernel_errors.py); `sync_checks` decides that part alone."""
+
+    sync_checks: bool | None = None
+    """Read the Triton kernels' check results after every graph call on a GPU (one
+    synchronization per call: the host waits for the device, so a host-bound step runs host and
+    device one after the other).  None: as `strict`.  A harness that wants strict's raise on a
+    failed build but the default's timing passes `strict=True, sync_checks=False`: a bad index
+    then raises at the next call (runtime/kernel_errors.py)."""
 
     runtime_checks: bool = True
     """Check at run time what eager rejects (codegen/checks.py): an index out of range for its dim
@@ -232,6 +239,9 @@ def _checked(name: str, value: Any) -> Any:
         if not isinstance(value, (str, os.PathLike)):
             raise bad("a path")
         value = Path(value)
+    elif name == "sync_checks":
+        if value is not None and not isinstance(value, bool):
+            raise bad("True, False or None")
     elif name == "channels_last_convs":
         if value not in (True, False, "auto") or isinstance(value, int) and not isinstance(value, bool):
             raise bad('True, False or "auto"')

@@ -282,7 +282,7 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     builder = WrapperBuilder(program, sched.items, kernel_args, stored, site_calls, register_only,
                              reductions_in_place=backend.features.reductions_in_place,
                              kernel_checks=kernel_checks, triton_checks=error_slots,
-                             sync_checks=config.strict)
+                             sync_checks=config.strict if config.sync_checks is None else config.sync_checks)
     wrapper_src = builder.build()
     counters.bump("buffers_reused_in_place", builder.reused)
     collectives = describe_collectives(graph_name, builder.items)

@@ -115,3 +115,35 @@ def test_triton_interpreter_raises_at_the_call_cold_and_warm(tmp_path, monkeypat
             f(t, bad)
         torch.testing.assert_close(f(t, good), fn(t, good))
     assert torchfuse.counters["graph_cache_hits"] > hits
+
+
+@pytest.mark.parametrize("options, sync", [({}, False), ({"strict": True}, True),
+                                           ({"strict": True, "sync_checks": False}, False),
+                                           ({"sync_checks": True}, True)])
+def test_sync_checks_follows_strict_unless_set(monkeypatch, tmp_path, options, sync):
+    """`sync_checks` (None: as `strict`) decides whether a graph's slots are read after every
+    call: the zoo times strict compiles without that synchronization."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
+    monkeypatch.setenv("TORCHFUSE_CACHE_DIR", str(tmp_path))
+    made = []
+    init = TritonErrorSlots.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self.sync)
+    monkeypatch.setattr(TritonErrorSlots, "__init__", recording_init)
+    torch._dynamo.reset()
+
+    def fn(t, i):
+        return t[i] * 2
+    t, i = torch.randn(7, 3), torch.tensor([6, 0, -1])
+    f = torch.compile(fn, backend="torchfuse", options={"cpu_backend": "triton", "graph_cache": False, **options})
+    torch.testing.assert_close(f(t, i), fn(t, i))
+    assert made and all(s is sync for s in made), made
+    torch._dynamo.reset()
+
+
+def test_sync_checks_option_is_checked():
+    with pytest.raises(ValueError, match="sync_checks"):
+        torchfuse.compile(lambda x: x + 1, options={"sync_checks": "yes"})(torch.randn(3))
