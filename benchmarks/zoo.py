@@ -347,6 +347,22 @@ def _back_to_back_ms(fn: Callable, calls: int = 20) -> float:
 HOST_BOUND_MS = 30.0
 
 
+# --batch: the rows' inputs cut to this many samples (0: the size's own batch)
+BATCH = 0
+
+
+def small_batch(inputs: tuple, batch: int) -> tuple:
+    """The first `batch` samples of every batched tensor input (dim 0 as long as the first
+    tensor's; layout kept: a channels-last image stays channels-last): the host-bound regime of
+    small-batch inference.  (Not for graph rows: their node features' dim 0 is no batch.)"""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors or tensors[0].shape[0] <= batch:
+        return inputs
+    n = tensors[0].shape[0]
+    return tuple(x[:batch].clone() if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == n else x
+                 for x in inputs)
+
+
 def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget: float, wait: float,
             backends: tuple[str, ...], verbose: bool, compile_only: bool = False) -> Row:
     """One row.  Each backend is compiled afresh (Dynamo reset first) and called once: cold compile
@@ -358,6 +374,8 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     train = mode == "train"
     model, inputs = zm.make(size, device, torch_dtype)
+    if BATCH and zm.family != "graph":     # (a graph's node features have no batch dim)
+        inputs = small_batch(inputs, BATCH)
     if train:
         model.train()
     judge = Judge(row, model, inputs, zm.loss, [n for n, p in model.named_parameters() if p.requires_grad])
@@ -661,10 +679,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="print tracebacks of backend failures")
     p.add_argument("--tf-options", default="{}",
                    help='extra torchfuse options as JSON, e.g. \'{"channels_last_convs": false}\'')
+    p.add_argument("--batch", type=int, default=0,
+                   help="cut every row's batched inputs to this many samples (small-batch inference, the host-bound "
+                        "regime; graph rows keep their graph)")
     p.add_argument("--cudnn-tf32", action="store_true",
                    help="keep cuDNN's TF32 for fp32 convolutions on (PyTorch's default; the zoo turns it off)")
     a = p.parse_args(argv)
     TF_OPTIONS.update(json.loads(a.tf_options))
+    global BATCH
+    BATCH = a.batch
     size = a.size or ("gpu" if a.device == "cuda" else "cpu")
     modes = ("train",) if a.train and not a.infer else ("infer",) if a.infer and not a.train else ("infer", "train")
     selected = select_rows(a.only, a.family, modes, a.dtype, a.shard, a.zoo)
@@ -684,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     backends = tuple(b for b in BACKENDS
                      if not (a.no_inductor and b == "inductor") and not (a.compile_only and b == "eager"))
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else machine_line()
-    print(f"zoo: {len(selected)} rows, size {size!r} on {device_name}; torch {torch.__version__}")
+    print(f"zoo: {len(selected)} rows, size {size!r}{f', batch {BATCH}' if BATCH else ''} on {device_name}; "
+          f"torch {torch.__version__}")
     print(f"fresh caches under {_CACHE_ROOT}\n")
     print(HEAD, flush=True)
     warm_up(backends, a.device)

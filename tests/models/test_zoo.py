@@ -189,3 +189,17 @@ def test_new_batch_sizes_build_nothing(name: str) -> None:
         builds.append(counters["kernel_builds"] - b)
     assert builds[2:] == [0, 0, 0], builds
     assert graphs[2:] == ([0, 0, 0] if name == "llama" else [1, 0, 0]), graphs
+
+
+def test_small_batch_cuts_batched_inputs_only() -> None:
+    """zoo.py --batch: every tensor batched like the first is cut to its first samples, layout
+    kept (a channels-last image stays channels-last); the rest (a per-model constant) stays."""
+    from zoo import small_batch
+    x = torch.randn(8, 3, 5, 5).contiguous(memory_format=torch.channels_last)
+    ids, table = torch.randint(0, 9, (8, 7)), torch.randn(4, 2)
+    cut = small_batch((x, ids, table, 3), 2)
+    torch.testing.assert_close(cut[0], x[:2])
+    assert cut[0].is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(cut[1], ids[:2])
+    assert cut[2] is table and cut[3] == 3
+    assert small_batch((x,), 8)[0] is x
