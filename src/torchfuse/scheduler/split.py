@@ -228,6 +228,13 @@ class _Splitter:
         if isinstance(classes, str):
             return classes
         pre, red, outer, post, chain = classes
+        shift_x = None
+        if chain is not None:
+            # each chunk's shift k (x at its first element) is read by every lane of the chunk:
+            # computed from the kernel's inputs, never loaded back from a value this kernel stores
+            shift_x = _from_inputs(chain.x, {m.buffer.name: m for m in kernel.members})
+            if isinstance(shift_x, str):
+                return f"the variance's shift {shift_x}"
         p = self.params
         rows, length = _product(kernel.outer), _product(kernel.inner)
         bindings: list[tuple[str, str]] = []
@@ -281,8 +288,8 @@ class _Splitter:
             k1.members.append(Member(m.buffer, "inner", rewrite(m.body), substitute(m.store, mapping, ranges)))
         if chain is not None:
             red = [m for m in red if m is not chain.total and m is not chain.squares]
-            self._split_variance(kernel, chain, k1, k2, split, chunk, length, order, mapping, ranges, cond,
-                                 rewrite, part_sizes, part_strides, part_store, row_index)
+            self._split_variance(kernel, chain, shift_x, k1, k2, split, chunk, length, order, mapping, ranges,
+                                 cond, rewrite, part_sizes, part_strides, part_store, row_index)
         for m in red:
             red_op, acc = m.buffer.reduction_op, m.body.dtype
             body = rewrite(m.body)
@@ -304,21 +311,29 @@ class _Splitter:
             for m in post:
                 k3.members.append(Member(m.buffer, "pointwise", substitute(m.body, to_x), substitute(m.store, to_x)))
             out.append(k3)
+        for k in out:
+            why = _read_elsewhere(k)
+            if why:     # a compiler bug, caught here rather than as a race on a GPU
+                log.warning("not splitting %s: %s", kernel.name, why)
+                return why
         log.debug("split %s: %s partials of %s per row over %s rows (%s)", kernel.name, split, chunk, rows,
                   "masked" if masked else "exact")
         return out
 
-    def _split_variance(self, kernel: Kernel, chain: _VarianceChain, k1: Kernel, k2: Kernel, split: Node,
-                        chunk: Node, length: Node, order: list[int], mapping: dict, ranges: dict,
+    def _split_variance(self, kernel: Kernel, chain: _VarianceChain, shift_x: Node, k1: Kernel, k2: Kernel,
+                        split: Node, chunk: Node, length: Node, order: list[int], mapping: dict, ranges: dict,
                         cond: Node | None, rewrite: Callable[[Node], Node], part_sizes: tuple,
                         part_strides: tuple, part_store: Node, row_index: Node) -> None:
         """Chan's parallel variance with shifted sums: each chunk c of a row sums d = x - k_c and
         d * d, k_c being x at the chunk's first element (as the looped kernel's lanes do, see
-        codegen.triton._emit_shifted_sums); the second kernel reads k_c again and combines
+        codegen.triton._emit_shifted_sums); the second kernel computes k_c again and combines
             S = sum_c (k_c n_c + s1_c)
             V = sum_c (s2_c + 2 (k_c - a) s1_c + n_c (k_c - a)^2)      (exact for any a)
         so the per-row mean a = f(S) is known there.  Nothing cancels by more than a small
-        factor when the chunk's first value is within a few deviations of its mean."""
+        factor when the chunk's first value is within a few deviations of its mean.  `shift_x`
+        is x computed from the kernel's inputs (_from_inputs): where x is a value the first
+        kernel stores (a residual sum before a group norm), k_c loaded back from that buffer
+        would be another thread's store, which nothing orders before the load on a GPU."""
         f32 = torch.float32
         start_k1 = var("x0") * chunk          # the chunk's first reduced index, in K1 ...
         start_k2 = var("y0") * chunk          # ... and in K2, whose reduced index is the chunk
@@ -327,9 +342,9 @@ class _Splitter:
         first_ok2 = op("lt", start_k2, length, dtype=torch.bool)
         at_k1 = {k: v for k, v in mapping.items() if k.arg.startswith("x")}     # K1's rows: x{j} -> x{j+1}
         at_k1.update(_unflatten(start_k1, order, kernel.inner, ranges))
-        k_in_k1 = where(first_ok1, _mask_loads(substitute(chain.x, at_k1, ranges), first_ok1), const(0.0, f32))
+        k_in_k1 = where(first_ok1, _mask_loads(substitute(shift_x, at_k1, ranges), first_ok1), const(0.0, f32))
         at_k2 = _unflatten(start_k2, order, kernel.inner, ranges2)
-        k_in_k2 = where(first_ok2, _mask_loads(substitute(chain.x, at_k2, ranges2), first_ok2, ("y0",)),
+        k_in_k2 = where(first_ok2, _mask_loads(substitute(shift_x, at_k2, ranges2), first_ok2, ("y0",)),
                         const(0.0, f32))
         d = op("sub", rewrite(chain.x), k_in_k1, dtype=f32)
         if cond is not None:
@@ -361,6 +376,48 @@ class _Splitter:
         post_reads = {ld.arg for p in post for ld in loads(p.body)}
         return bool(m.buffer.is_output or (self.readers.get(m.buffer.name, set()) - {kernel.name})
                     or m.buffer.name in post_reads)
+
+
+def _from_inputs(body: Node, members: dict[str, Member]) -> Node | str:
+    """`body` with every load of a buffer that one of `members` computes replaced by that
+    member's body (cast to the buffer's dtype, as its store casts), recursively: the same value
+    computed from the kernel's inputs alone, which any lane may evaluate at any index.  A reason
+    string where a load of a member is not at the point the member writes (fusion never builds
+    one) or is masked."""
+    memo: dict[str, Node] = {}
+
+    class _Refused(Exception):
+        pass
+
+    def inline(n: Node) -> Node:
+        def fn(x: Node, args: tuple[Node, ...]) -> Node:
+            if x.op == "load" and x.arg in members:
+                m = members[x.arg]
+                if len(x.args) != 1 or x.args[0] != m.store:
+                    raise _Refused(f"reads {x.arg} away from where it is written")
+                if x.arg not in memo:
+                    memo[x.arg] = cast(inline(m.body), m.buffer.dtype)
+                return cast(memo[x.arg], x.dtype)
+            return x if args == x.args else Node(x.op, args, x.arg, x.dtype)
+        return map_nodes(n, fn)
+
+    try:
+        return inline(body)
+    except _Refused as e:
+        return str(e)
+
+
+def _read_elsewhere(kernel: Kernel) -> str:
+    """Empty unless a member of `kernel` reads a buffer the kernel computes at another point than
+    the one it is written at: that value is another lane's (thread's, program's) of the launch,
+    and a GPU orders no store of one thread before another's load (fusion's _reads_ok rule,
+    which the kernels made here must keep)."""
+    written = {m.buffer.name: m.store for m in kernel.members}
+    for m in kernel.members:
+        for ld in loads(m.body):
+            if ld.arg in written and ld.args[0] != written[ld.arg]:
+                return f"{m.buffer.name} would read {ld.arg} of the same kernel away from where it is written"
+    return ""
 
 
 def _unflatten(flat: Node, order: list[int], inner: tuple[Node, ...], ranges: dict) -> dict[Node, Node]:
