@@ -7,8 +7,8 @@ interpreter, compares with eager and counts kernels.  `split_min_chunk` makes sm
 target number of partials (4 per thread) whatever the machine."""
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ import torchfuse
 from torchfuse import counters
 from torchfuse.scheduler.split import SplitParams
 from torchfuse.tools.accuracy import judge
+from torchfuse.tools.cross_lane import cross_lane_loads, stale_cross_lane_loads
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -30,29 +31,11 @@ def _nan(x: torch.Tensor, frac: float = 0.01) -> torch.Tensor:
     return torch.where(torch.rand(x.shape) < frac, torch.full_like(x, float("nan")), x)
 
 
-def cross_lane_loads(source: str) -> list[str]:
-    """The loads in a generated Triton module of a buffer that the same function stores, at
-    another index.  That value is another thread's (or program's) of the launch, and nothing
-    orders its store before the load: on a GPU the load may see the memory as it was before.
-    Triton's interpreter runs a program's statements in order, so only the source shows it.
-    (A looped kernel reading back, in a later loop, what it stored at the same index is fine:
-    the same thread stored it.)"""
-    found = []
-    for fn in re.split(r"(?=@triton.jit)", source):
-        stores: dict[str, set[str]] = {}
-        for buf, index in re.findall(r"tl\.store\((\w+) \+ (.*?) \+ xzero", fn):
-            stores.setdefault(buf, set()).add(index)
-        for buf, index in re.findall(r"tl\.load\((\w+) \+ (.*?) \+ xzero", fn):
-            if index not in stores.get(buf, {index}):
-                found.append(f"{buf}[{index}] (stored at {sorted(stores[buf])})")
-    return found
-
-
 def _check(tf, backend, fn, *args, kernels, **kw):
     if backend == "triton":
         pytest.importorskip("triton")
     e = tf.check(fn, *args, options=BACKENDS[backend], kernels=kernels, **kw)
-    if backend == "triton":
+    if backend == "triton":     # (the interpreter runs them right; a GPU may not: tools/cross_lane.py)
         for k in e.kernels:
             assert not cross_lane_loads(k.source), (k.name, cross_lane_loads(k.source), k.source)
     return e
@@ -294,6 +277,8 @@ def test_variance_of_a_value_the_partial_kernel_stores(tf, backend, dtype, shape
     k must be computed from the kernel's inputs: loaded back from y, it is another thread's store,
     unordered on a GPU (a stale k there gave 24x eager's error against fp32 on an H100).  Judged
     against fp64 as PyTorch's benchmark harness judges low precision (tools/accuracy.py)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=g) * 2 + 1).to(dtype)
     h = (torch.randn(shape, generator=g) * 0.5).to(dtype)
@@ -301,13 +286,18 @@ def test_variance_of_a_value_the_partial_kernel_stores(tf, backend, dtype, shape
     w, b = (torch.rand(c, generator=g) + 0.5).to(dtype), torch.randn(c, generator=g).to(dtype)
     cw = (torch.randn(c, c, 1, 1, generator=g) / c ** 0.5).to(dtype)
     args = (x, h, w, b, cw)
-    e = _check(tf, backend, _residual_group_norm, *args, kernels=5, allow_fallbacks=("aten.convolution.default",),
-               atol=0.1, rtol=0.05)
+    # Triton: a load of another lane's store reads 0.0, as a GPU may read memory before the
+    # launch (a graph built afresh: a cached one would not be generated again)
+    stale = stale_cross_lane_loads(0.0) if backend == "triton" else contextlib.nullcontext()
+    with stale:
+        e = tf.explain(_residual_group_norm, *args, options={**BACKENDS[backend], "graph_cache": False})
+    v = judge(e.output, _residual_group_norm(*args), _residual_group_norm(*(a.double() for a in args)))
+    assert v.ok, v
+    assert len(e.kernels) == 5 and [f.op for f in e.fallbacks] == ["aten.convolution.default"], e
     part = next(k for k in e.kernels if k.name.endswith("_part"))
     assert "add" in part.nodes and "var" in part.nodes, [k.nodes for k in e.kernels]
-    reference = _residual_group_norm(*(a.double() for a in args))
-    v = judge(e.output, _residual_group_norm(*args), reference)
-    assert v.ok, v
+    if backend == "triton":
+        assert not cross_lane_loads(part.source), cross_lane_loads(part.source)
 
 
 @pytest.mark.parametrize("channels_last", [True, False])
