@@ -4,11 +4,17 @@ prefix is compiled alone on its own captured input, in bf16, and judged against 
 
     python benchmarks/probes/accuracy_bisect.py timm_mobilevitv2_100 gpu cuda stages.2.1
     python benchmarks/probes/accuracy_bisect.py timm_mobilevitv2_100 tiny cpu stages.2.1 triton   # interpreter
+    python benchmarks/probes/accuracy_bisect.py timm_mobilevitv2_100 gpu cpu stages.2.1.transformer.0 \
+        triton gpu-split stale
 
-A submodule that fails while its children pass points at a fusion across the children.
+A submodule that fails while its children pass points at a fusion across the children.  Under
+the interpreter, `gpu-split` splits reductions as on an H100 (132 SMs) and `stale` makes a
+kernel's loads of another lane's store read 0.0, as a GPU may (tools/cross_lane.py): together
+they showed mobilevitv2's GPU-only failure on a CPU.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -22,9 +28,20 @@ from zoo_library import LIBRARY_BY_NAME  # noqa: E402
 from torchfuse.tools.accuracy import judge  # noqa: E402
 
 
-def main(name: str, size: str, device: str, prefix: str, triton_on_cpu: bool) -> None:
+def main(name: str, size: str, device: str, prefix: str, triton_on_cpu: bool, gpu_split: bool = False,
+         stale: bool = False) -> None:
     warnings.filterwarnings("ignore")
-    opts = {"strict": True, **({"cpu_backend": "triton"} if triton_on_cpu else {})}
+    if gpu_split:
+        from torchfuse import backends
+        from torchfuse.backends.triton import gpu_split_params
+        backends.split_params = lambda device, config: gpu_split_params(132, config.split_min_chunk)
+    keep = contextlib.ExitStack()       # (held until main returns: its exit undoes the emulation)
+    opts_extra = {}
+    if stale:
+        from torchfuse.tools.cross_lane import stale_cross_lane_loads
+        keep.enter_context(stale_cross_lane_loads(0.0))
+        opts_extra = {"graph_cache": False}          # (a cached graph would not be generated again)
+    opts = {"strict": True, **({"cpu_backend": "triton"} if triton_on_cpu else {}), **opts_extra}
     m32, inputs = LIBRARY_BY_NAME[name].make(size, device, torch.float32)
     captured: dict[str, tuple[torch.Tensor, ...]] = {}
     handles = []
@@ -59,4 +76,5 @@ def main(name: str, size: str, device: str, prefix: str, triton_on_cpu: bool) ->
 if __name__ == "__main__":
     if len(sys.argv) < 5:
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], "triton" in sys.argv[5:])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], "triton" in sys.argv[5:], "gpu-split" in sys.argv[5:],
+         "stale" in sys.argv[5:])

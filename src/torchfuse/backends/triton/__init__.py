@@ -19,6 +19,19 @@ from ..base import Backend, Features, GeneratedCode, GraphCode, KernelCode, prod
 from . import codegen
 
 
+def gpu_split_params(sms: int, min_chunk: int = 0) -> SplitParams:
+    """How reductions split on a GPU of `sms` SMs (also for a CPU probe that runs a GPU's
+    kernels under the interpreter, benchmarks/probes/accuracy_bisect.py).
+    A launch costs a few microseconds: below ~256K elements one program is as fast.
+    Reductions whose body gathers (a cross entropy's target logits, one per row) are
+    latency-bound, not bandwidth-bound: they split at fewer elements, into shorter chunks.
+    Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
+    weight-gradient sums of a training step) and cost a second kernel."""
+    from .launch import COLUMN_XBLOCK
+    return SplitParams.make(2 * sms, 4096, 1 << 18, gather_chunk=256, gather_numel=1 << 12,
+                            column_tile=COLUMN_XBLOCK, column_fewest=4, min_chunk=min_chunk)
+
+
 class TritonBackend(Backend):
     name = "triton"
     title = "Triton"
@@ -34,14 +47,7 @@ class TritonBackend(Backend):
             # Triton's interpreter on a CPU does not count tiles
             return SplitParams.on_cpu(num_threads, min_chunk)
         sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        # A launch costs a few microseconds: below ~256K elements one program is as fast.
-        # Reductions whose body gathers (a cross entropy's target logits, one per row) are
-        # latency-bound, not bandwidth-bound: they split at fewer elements, into shorter chunks.
-        # Column tiles split in fewer than 4 parts measured level with the unsplit tiles (the
-        # weight-gradient sums of a training step) and cost a second kernel.
-        from .launch import COLUMN_XBLOCK
-        return SplitParams.make(2 * sms, 4096, 1 << 18, gather_chunk=256, gather_numel=1 << 12,
-                                column_tile=COLUMN_XBLOCK, column_fewest=4, min_chunk=min_chunk)
+        return gpu_split_params(sms, min_chunk)
 
     def kernel(self, plan: LoopPlan, graph: GraphCode) -> KernelCode:
         kernel = plan.kernel
