@@ -126,6 +126,9 @@ class LazyContext:
         self.pipelining = not auto              # on: cut every pipeline_ops ops (see mode)
         # below this many recorded ops neither cut can be due: a predicted op skips the check
         self.flush_check_from = min(self.max_nodes, self.pipeline_ops)
+        # the same for an op on a CPU tensor: only an explicit (or already started) pipelining
+        # cuts at CPU ops (see mode._flush_first), so it can wait until max_nodes
+        self.flush_check_from_cpu = self.flush_check_from if self.pipelining else self.max_nodes
         self.pipeline_min_work = CUDA_PIPELINE_MIN_WORK
         self.id = next(_ids)
         self.backward_task = -1                 # autograd graph task last seen recording (mode)

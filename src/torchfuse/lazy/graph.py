@@ -20,6 +20,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -143,27 +144,24 @@ def output_descs(func: Any, targs: tuple, tkwargs: dict, skel: tuple, tensors: l
 
 
 class LazyNode:
-    """One recorded aten op.  `results[k]` holds output k once it has been computed."""
-    __slots__ = ("func", "targs", "tkwargs", "inputs", "skey", "descs", "container", "device",
-                 "is_view", "results", "wrappers", "has_views", "depth", "dids", "mark", "pos",
-                 "tpos", "__weakref__")
+    """One recorded aten op: its recording plan (`mode.Plan`: the op, its argument template and
+    output layouts, shared by every node recorded from the same op on the same layouts), its
+    inputs, and `results[k]` once output k has been computed."""
+    __slots__ = ("plan", "inputs", "results", "wrappers", "has_views", "depth", "mark", "pos", "tpos",
+                 "__weakref__")
 
-    def __init__(self, func: Any, targs: tuple, tkwargs: dict, inputs: list[Ref], skey: tuple,
-                 descs: list[Desc], container: type | None, device: torch.device, is_view: bool,
-                 dids: tuple = (), depth: int = 0):
-        self.func, self.targs, self.tkwargs = func, targs, tkwargs
+    def __init__(self, plan: Any, inputs: list[Ref], depth: int = 0, tpos: int = -1,
+                 wrappers: list[weakref.ref | None] | None = None):
+        # (runs for every recorded op: the plan's fields are read through it, not copied)
+        self.plan = plan
         self.inputs = inputs
-        self.skey = skey
-        self.descs, self.container = descs, container
-        self.device = device
-        self.is_view = is_view
-        self.dids = dids             # interned layout ids of the outputs (see mode.Plan)
+        self.results: list[torch.Tensor | None] | None = None
+        # weak references to the wrappers handed out for the outputs
+        self.wrappers = wrappers if wrappers is not None else [None] * len(plan.descs)
+        self.has_views = False       # a pending view of this node exists (blocks in-place rebinding)
         self.mark = 0                # last `topo` walk that visited this node
         self.pos = 0                 # position in that walk's order
-        self.tpos = -1               # position in its block's trace (see trace.py), -1: none
-        self.results: list[torch.Tensor | None] | None = None
-        self.wrappers: list[weakref.ref | None] = [None] * len(descs)
-        self.has_views = False       # a pending view of this node exists (blocks in-place rebinding)
+        self.tpos = tpos             # position in its block's trace (see trace.py), -1: none
         # longest chain of pending ops ending here: bounds the graph a flush of this value builds
         # (given when predicted: the same inputs are pending as when the step was learnt)
         if not depth:
@@ -172,6 +170,17 @@ class LazyNode:
                     depth = r[0].depth
             depth += 1
         self.depth = depth
+
+    # the plan's fields, read where a node is replayed, compiled or published
+    func = property(attrgetter("plan.func"))
+    targs = property(attrgetter("plan.targs"))
+    tkwargs = property(attrgetter("plan.tkwargs"))
+    skey = property(attrgetter("plan.skey"))
+    descs = property(attrgetter("plan.descs"))
+    container = property(attrgetter("plan.container"))
+    device = property(attrgetter("plan.device"))
+    is_view = property(attrgetter("plan.is_view"))
+    dids = property(attrgetter("plan.dids"))     # interned layout ids of the outputs (see mode.Plan)
 
     def resolved(self, k: int) -> bool:
         return self.results is not None and self.results[k] is not None
@@ -417,9 +426,8 @@ def publish(node: LazyNode, outs: list[torch.Tensor | None]) -> None:
     if all(r is not None or type(d) is not tuple for r, d in zip(results, node.descs)):
         # (`None in results` would call Tensor.__eq__)
         # Fully computed: the node is a leaf from now on; drop its inputs so that their memory
-        # (and the whole chain of ancestors) can be freed.
+        # (and the whole chain of ancestors) can be freed.  (Its plan holds no tensors.)
         node.inputs = []
-        node.targs, node.tkwargs = (), {}
 
 
 def _live_extras(order: list[LazyNode], roots: list[tuple[LazyNode, int]]

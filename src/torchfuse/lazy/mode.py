@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import extend
-from . import cache, trace
+from . import cache, recorder, trace
 from .graph import LazyNode, Unrecordable, flush, output_descs, ref_real, scan, storage_key, topo, view_root
 from .state import LazyMode, current_context, hooks, open_contexts
 from .tensor import LazyTensor, materialized_wrapper, new_wrapper, sync_storage, unwrap
@@ -45,10 +45,11 @@ aten = torch.ops.aten
 
 def _lazy_torch_dispatch(self: LazyMode, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
     ctx = self.ctx
-    if ctx.cursor is not None:
-        cands = ctx.cursor.children.get(id(func))
-        if cands is not None:
-            out = _record_predicted(ctx, cands, func, args, kwargs)
+    cursor = ctx.cursor
+    if cursor is not None:
+        rec = cursor.recs.get(id(func))      # an op seen after this step before (recorder.py)
+        if rec is not None:
+            out = rec(ctx, args, kwargs)
             if out is not None:
                 return out
     return dispatch(ctx, func, args, kwargs or {})
@@ -233,8 +234,12 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
     if node is None:
         return None, why
     ctx.trace_misses += 1
-    if ctx.cursor is not None:
-        trace.learn(ctx, func, args, kwargs, plan, node)
+    parent = ctx.cursor
+    if parent is not None:
+        step = trace.learn(ctx, func, args, kwargs, plan, node)
+        if step is not None:
+            step.record = recorder.recorder(step, ctx.trace) or _generic_recorder(step)
+            parent.recs[id(func)] = recorder.dispatcher(parent.children[id(func)])
     _commit(ctx, node)
     if node.container is None:
         # The common case, inlined (this runs for every recorded op).
@@ -259,6 +264,12 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _generic_recorder(step: trace.Step) -> Any:
+    """A step's recorder where recorder.py generates none."""
+    cands, func = [step], step.func
+    return lambda ctx, args, kwargs: _record_predicted(ctx, cands, func, args, kwargs)
+
+
 def _record_predicted(ctx: "LazyContext", cands: list, func: Any, args: tuple, kwargs: dict | None) -> Any:
     """Record an op the block's trie predicts (seen after the same ops before, see trace.py):
     the step matched gives plan, view-ness and depth of the node, so recording it costs the
@@ -271,10 +282,10 @@ def _record_predicted(ctx: "LazyContext", cands: list, func: Any, args: tuple, k
         return None
     step, inputs = hit
     plan = step.plan
-    node = LazyNode(func, plan.targs, plan.tkwargs, inputs, plan.skey, plan.descs, plan.container,
-                    plan.device, step.is_view, plan.dids, step.depth)
-    if (ctx.recorded >= ctx.flush_check_from or node.depth > ctx.max_nodes) and \
-            _flush_first(ctx, plan, node) is not None:
+    node = LazyNode(plan, inputs, step.depth)
+    if (ctx.recorded >= (ctx.flush_check_from if plan.device.type == "cuda" else ctx.flush_check_from_cpu)
+            or node.depth > ctx.max_nodes) and \
+            _flush_first(ctx, plan, node.depth) is not None:
         return None
     ctx.work += plan.work
     tr = ctx.trace
@@ -321,6 +332,8 @@ class Plan:
     device: torch.device
     work: int = 0          # elements written by the op (0 for views): see lazy(pipeline_ops=)
     wrap_kw: dict | None = None   # _make_wrapper_subclass arguments of a single output's wrapper
+    func: Any = None       # the op (a plan's key holds its id)
+    is_view: bool = False  # the op is a view (OpInfo.is_view)
 
 
 def _wrap_kwargs(desc: tuple, device: torch.device) -> dict:
@@ -441,7 +454,7 @@ def _record_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwarg
     if type(plan) is str:
         return None, plan, None
     node = _new_node(func, info, plan, tensors)
-    why = _flush_first(ctx, plan, node)
+    why = _flush_first(ctx, plan, node.depth)
     if why is not None:
         ctx.flush_all(why)
         node = _new_node(func, info, plan, tensors)   # its inputs are computed values now
@@ -449,10 +462,11 @@ def _record_node(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwarg
     return node, None, plan
 
 
-def _flush_first(ctx: "LazyContext", plan: "Plan", node: LazyNode) -> str | None:
-    """Why everything pending must be computed before `node` is recorded, or None."""
+def _flush_first(ctx: "LazyContext", plan: "Plan", depth: int) -> str | None:
+    """Why everything pending must be computed before a node of `plan` whose longest pending
+    chain is `depth` ops is recorded, or None."""
     recorded, why = ctx.recorded, None
-    if recorded >= ctx.max_nodes or node.depth > ctx.max_nodes:
+    if recorded >= ctx.max_nodes or depth > ctx.max_nodes:
         # Bound compile time and the size of one graph: compute everything that is pending
         # (`recorded` estimates the pending graph: ops recorded since the last flush plus the
         # values still pending after it; `depth` catches one long chain).
@@ -464,13 +478,13 @@ def _flush_first(ctx: "LazyContext", plan: "Plan", node: LazyNode) -> str | None
         # then falls at the same op every iteration of a loop, whatever the sizes, so each
         # part is a cache hit from the second iteration (or new size) on.
         ctx.pipelining = True
+        ctx.flush_check_from_cpu = ctx.flush_check_from
         why = "pipeline"
     return why
 
 
 def _new_node(func: Any, info: OpInfo, plan: "Plan", tensors: list) -> LazyNode:
-    return LazyNode(func, plan.targs, plan.tkwargs, [_ref(t) for t in tensors], plan.skey, plan.descs,
-                    plan.container, plan.device, info.is_view, plan.dids)
+    return LazyNode(plan, [_ref(t) for t in tensors])
 
 
 def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | str":
@@ -516,7 +530,7 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
     dids = tuple(_did(d, device) if type(d) is tuple else None for d in descs)
     work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if type(d) is tuple)
     return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work,
-                _wrap_kwargs(descs[0], device) if container is None else None)
+                _wrap_kwargs(descs[0], device) if container is None else None, func, info.is_view)
 
 
 def _commit(ctx: "LazyContext", node: LazyNode) -> None:
@@ -792,3 +806,5 @@ def _before_write(written: list, reason: str, ctx: "LazyContext | None") -> None
 
 hooks.eager_call = eager_call
 hooks.clear_plans = clear_plans
+recorder.flush_first = _flush_first
+recorder.note_graph_task = _note_graph_task

@@ -31,6 +31,9 @@ class LazyTensor(torch.Tensor):
     Attributes: `_lz_node`/`_lz_idx` (the recorded op output it stands for, while pending) and
     `_lz_real` (the computed tensor, once computed; it shares the wrapper's memory).
     """
+    # Slots (a tensor's __dict__ stays available for user attributes): setting the three on
+    # every recorded op's wrapper costs about 0.15 us less than through the instance dict.
+    __slots__ = ("_lz_node", "_lz_idx", "_lz_real")
     _lz_node: "LazyNode | None"
     _lz_idx: int
     _lz_real: torch.Tensor | None

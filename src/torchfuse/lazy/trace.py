@@ -51,7 +51,7 @@ class Step:
     """One recorded op of a trie path: the op, a spec per argument, its recording plan, the
     steps seen after it, and the flushes seen ending at it."""
     __slots__ = ("func", "specs", "kwspecs", "kwnames", "plan", "children", "replays", "device",
-                 "is_view", "depth")
+                 "is_view", "depth", "record", "recs")
 
     def __init__(self, func: Any, specs: tuple, kwnames: tuple, kwspecs: tuple, plan: Any, device: Any,
                  is_view: bool = False, depth: int = 0):
@@ -61,6 +61,10 @@ class Step:
         self.device = device             # torch.get_default_device() for a factory, else None
         self.children: dict[int, list[Step]] = {}
         self.replays: dict[tuple, Replay] = {}
+        # (ctx, args, kwargs) -> output or None: recording this step (recorder.py)
+        self.record: Any = None
+        # id(op) -> the recorder of the children for that op (recorder.dispatcher)
+        self.recs: dict[int, Any] = {}
 
 
 def root_for(ctx: "LazyContext") -> Step:
@@ -202,8 +206,9 @@ def _spec_of(a: Any, trace: list) -> tuple:
     raise _NoSpec(f"argument of type {t.__name__}")
 
 
-def learn(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict, plan: Any, node: "LazyNode") -> None:
-    """`node` was recorded without a prediction: add its step below the cursor, move there."""
+def learn(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict, plan: Any, node: "LazyNode") -> Step | None:
+    """`node` was recorded without a prediction: add its step below the cursor, move there.
+    Returns the step (None: prediction is off until the next flush)."""
     global _num_steps
     try:
         specs = tuple(_spec_of(a, ctx.trace) for a in args)
@@ -212,7 +217,7 @@ def learn(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict, plan: Any, n
     except _NoSpec as e:
         log.debug("lazy: no prediction for %s: %s", func, e)
         stop(ctx)
-        return
+        return None
     has_tensor = any(s[0] in (_PENDING, _REAL, _TLIST) for s in (*specs, *kwspecs))
     step = Step(func, specs, kwnames, kwspecs, plan, None if has_tensor else torch.get_default_device(),
                 node.is_view, node.depth)
@@ -226,6 +231,7 @@ def learn(ctx: "LazyContext", func: Any, args: tuple, kwargs: dict, plan: Any, n
     _num_steps += 1
     cands.append(step)
     advance(ctx, step, node)
+    return step
 
 
 def advance(ctx: "LazyContext", step: Step, node: "LazyNode") -> None:
