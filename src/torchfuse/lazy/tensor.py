@@ -136,8 +136,10 @@ def sync_storage(w: LazyTensor) -> None:
     if real is None:
         return
     try:
-        with torch._C._AutoDispatchBelowADInplaceOrView(), torch._C._DisableTorchDispatch():
-            torch.Tensor.set_(w, real.untyped_storage(), real.storage_offset(), real.size(), real.stride())
+        # Tensor.data's setter shallow-copies storage, sizes, strides and offset below the
+        # dispatcher, keeping `w`'s version counter and its Python dispatch key: what `set_`
+        # under guards that skip autograd and the Python key did, for 0.2 us instead of 3.
+        w.data = real
     except Exception as e:   # e.g. an inference tensor outside inference mode: keep it storage-less
         log.debug("lazy: could not share storage with a computed value: %s", e)
 
