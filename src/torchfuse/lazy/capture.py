@@ -56,6 +56,7 @@ log = logging.getLogger("torchfuse.lazy")
 
 _lock = threading.Lock()
 _open_blocks = 0                        # lazy blocks open in all threads
+_capturing = 0                          # of those, blocks with capture_modules on
 _states: "weakref.WeakKeyDictionary[torch.nn.Module, _ModuleState]" = weakref.WeakKeyDictionary()
 _inner: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()     # submodules of counted modules
 _armed: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()     # modules whose call is captured
@@ -87,8 +88,17 @@ def _install_hooks() -> None:
                              (_leave_optimizer_step, register_optimizer_step_post_hook)):
             handle = register(fn)
             _hook_slots.append((handle.hooks_dict_ref(), handle.id, fn))
-    for hooks, key, fn in _hook_slots:
+        _remove_hooks()
+    for hooks, key, fn in _hook_slots if _capturing else _hook_slots[1:]:
         hooks[key] = fn
+
+
+def _set_pre_hook(on: bool) -> None:
+    hooks, key, fn = _hook_slots[0]
+    if on:
+        hooks[key] = fn
+    else:
+        hooks.pop(key, None)
 
 
 def _remove_hooks() -> None:
@@ -96,11 +106,18 @@ def _remove_hooks() -> None:
         hooks.pop(key, None)
 
 
-def block_entered() -> None:
-    """A lazy block opened: install the hooks and re-arm captured modules (first open block)."""
-    global _open_blocks
+def block_entered(capturing: bool) -> None:
+    """A lazy block opened (`capturing`: with capture_modules on): install the hooks and re-arm
+    captured modules (first open block).  The forward pre-hook only while a capturing block is
+    open: any global module hook sends every module call through nn.Module's slow path
+    (1-2 us more a call on the CPU), which a block that records every op would pay for nothing."""
+    global _open_blocks, _capturing
     with _lock:
         _open_blocks += 1
+        if capturing:
+            _capturing += 1
+            if _capturing == 1 and _open_blocks > 1:
+                _set_pre_hook(True)
         if _open_blocks > 1:
             return
         _install_hooks()
@@ -110,11 +127,15 @@ def block_entered() -> None:
                     module._compiled_call_impl = _CapturedCall(module)
 
 
-def block_exited() -> None:
+def block_exited(capturing: bool) -> None:
     """A lazy block closed: the last one removes the hooks and disarms captured modules."""
-    global _open_blocks
+    global _open_blocks, _capturing
     with _lock:
         _open_blocks -= 1
+        if capturing:
+            _capturing -= 1
+            if _capturing == 0 and _open_blocks > 0:
+                _set_pre_hook(False)
         if _open_blocks > 0:
             return
         _remove_hooks()
@@ -246,7 +267,7 @@ def _restore_hook(removed: bool) -> None:
     if not removed:
         return
     with _lock:
-        if _open_blocks > 0:
+        if _capturing > 0:
             hooks, key, fn = _hook_slots[0]
             hooks[key] = fn
 

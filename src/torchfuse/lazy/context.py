@@ -138,7 +138,7 @@ class LazyContext:
         self.cursor: trace.Step | None = trace.root_for(self)
         self.trace_hits = 0
         self.trace_misses = 0
-        self._entered: list[tuple[LazyMode, LazyMode | None]] = []
+        self._entered: list[tuple[LazyMode, LazyMode | None, bool]] = []
 
     # -- context manager / decorator -------------------------------------------------------
     def __enter__(self) -> "LazyContext":
@@ -148,13 +148,14 @@ class LazyContext:
         outer = _pop_mode() if isinstance(_get_current_dispatch_mode(), LazyMode) else None
         mode = LazyMode(self)
         _push_mode(mode)
-        self._entered.append((mode, outer))
+        capturing = self.capture_modules
+        self._entered.append((mode, outer, capturing))
         open_contexts().append(self)
-        capture.block_entered()
+        capture.block_entered(capturing)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        mode, outer = self._entered.pop()
+        mode, outer, capturing = self._entered.pop()
         current = _get_current_dispatch_mode()
         if current is mode:
             _pop_mode()
@@ -167,7 +168,7 @@ class LazyContext:
             if contexts[i] is self:
                 del contexts[i]
                 break
-        capture.block_exited()
+        capture.block_exited(capturing)
         try:
             self.flush_all("end of the lazy block")
         except Exception as e:
