@@ -341,8 +341,8 @@ def _wrap_kwargs(desc: tuple, device: torch.device) -> dict:
     they are the defaults (contiguous, 0): about 0.3 us less per recorded op."""
     size, stride, offset, dtype = desc
     kw: dict = {"dtype": dtype, "device": device}
-    if stride != torch.empty(size, device="meta").stride():
-        kw["strides"] = stride
+    if offset or stride != torch.empty(size, device="meta").stride():
+        kw["strides"] = stride        # (an offset is taken only with strides)
     if offset:
         kw["storage_offset"] = offset
     return kw

@@ -209,7 +209,8 @@ def recorder(step: Step, trace: list) -> Recorder | None:
             continue
         size, stride, offset, dtype = d
         consts[f"size{k}"], consts[f"stride{k}"], consts[f"offset{k}"], consts[f"dtype{k}"] = size, stride, offset, dtype
-        outputs.append(("tensor", stride != _contiguous(size), offset != 0))
+        # (_make_wrapper_subclass takes an offset only with strides)
+        outputs.append(("tensor", offset != 0 or stride != _contiguous(size), offset != 0))
     if plan.container is None and (len(outputs) != 1 or outputs[0][0] != "tensor"):
         return None
     cuda = plan.device.type == "cuda"
