@@ -283,7 +283,7 @@ def _record_predicted(ctx: "LazyContext", cands: list, func: Any, args: tuple, k
     step, inputs = hit
     plan = step.plan
     node = LazyNode(plan, inputs, step.depth)
-    if (ctx.recorded >= (ctx.flush_check_from if plan.device.type == "cuda" else ctx.flush_check_from_cpu)
+    if (ctx.recorded >= (ctx.flush_check_from if plan.gpu else ctx.flush_check_from_cpu)
             or node.depth > ctx.max_nodes) and \
             _flush_first(ctx, plan, node.depth) is not None:
         return None
@@ -334,6 +334,7 @@ class Plan:
     wrap_kw: dict | None = None   # _make_wrapper_subclass arguments of a single output's wrapper
     func: Any = None       # the op (a plan's key holds its id)
     is_view: bool = False  # the op is a view (OpInfo.is_view)
+    gpu: bool = False      # on a CUDA device: pipelining may cut at it (see _flush_first)
 
 
 def _wrap_kwargs(desc: tuple, device: torch.device) -> dict:
@@ -530,7 +531,8 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
     dids = tuple(_did(d, device) if type(d) is tuple else None for d in descs)
     work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if type(d) is tuple)
     return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work,
-                _wrap_kwargs(descs[0], device) if container is None else None, func, info.is_view)
+                _wrap_kwargs(descs[0], device) if container is None else None, func, info.is_view,
+                device.type == "cuda")
 
 
 def _commit(ctx: "LazyContext", node: LazyNode) -> None:

@@ -213,7 +213,7 @@ def recorder(step: Step, trace: list) -> Recorder | None:
         outputs.append(("tensor", offset != 0 or stride != _contiguous(size), offset != 0))
     if plan.container is None and (len(outputs) != 1 or outputs[0][0] != "tensor"):
         return None
-    cuda = plan.device.type == "cuda"
+    cuda = plan.gpu
     has_real = _has_real((*step.specs, *step.kwspecs))
     pattern = (tuple(parts), step.kwnames, len(step.specs), tuple(outputs), plan.container is not None, has_real,
                step.device is not None, cuda, cuda and plan.work > 0, root_at is not None)
