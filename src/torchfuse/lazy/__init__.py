@@ -15,6 +15,7 @@ one it calls a hook in `state.hooks`, which the upper module sets when it is imp
     mode      `LazyMode`'s dispatch handler: record each aten op, or run it eagerly
     graph     `LazyNode`s, the pending graph, flushing it (compile and run, or replay) and publishing
     trace     op prediction: the trie of recorded op sequences and the flushes seen at its steps
+    recorder  a function generated per trie step that records the op the step predicts
     cache     compiled graphs by signature (exact, and without sizes); compiles through the pipeline
     tensor    `LazyTensor`, the wrapper handed out for a pending value
     state     the open blocks of each thread, the `LazyMode` type, the mode stack, the hooks
@@ -41,7 +42,8 @@ Design (see the modules for details):
 * `trace`: a program recorded again is predicted.  Each block keeps the nodes recorded since
   its last flush and a cursor into a process-wide trie of the op sequences seen (pending
   inputs by position, real tensors by layout, scalars by value): an op matching a child of the
-  cursor is recorded from the step's plan with a few comparisons.  A flush whose trace ends at
+  cursor is recorded by a function generated for the step (`recorder`: the step's comparisons
+  and its node and wrapper, straight-line code).  A flush whose trace ends at
   a step that flushed before, with the same values requested and alive, replays that flush
   (no topological sort, no signature, no cache lookup).  Counters: `lazy_replays`,
   `lazy_signatures`; per block `trace_hits` / `trace_misses`.
