@@ -238,8 +238,15 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
     if parent is not None:
         step = trace.learn(ctx, func, args, kwargs, plan, node)
         if step is not None:
-            step.record = recorder.recorder(step, ctx.trace) or _generic_recorder(step)
-            parent.recs[id(func)] = recorder.dispatcher(parent.children[id(func)])
+            step.record = recorder.recorder(step, ctx.trace)
+            cands = parent.children[id(func)]
+            if step.record is None:        # no prediction from this step (see recorder)
+                cands.remove(step)
+                trace.stop(ctx)
+            if cands:
+                parent.recs[id(func)] = recorder.dispatcher(cands)
+            else:
+                parent.recs.pop(id(func), None)
     _commit(ctx, node)
     if node.container is None:
         # The common case, inlined (this runs for every recorded op).
@@ -264,58 +271,6 @@ def _try_record(ctx: "LazyContext", func: Any, info: OpInfo, args: tuple, kwargs
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _generic_recorder(step: trace.Step) -> Any:
-    """A step's recorder where recorder.py generates none."""
-    cands, func = [step], step.func
-    return lambda ctx, args, kwargs: _record_predicted(ctx, cands, func, args, kwargs)
-
-
-def _record_predicted(ctx: "LazyContext", cands: list, func: Any, args: tuple, kwargs: dict | None) -> Any:
-    """Record an op the block's trie predicts (seen after the same ops before, see trace.py):
-    the step matched gives plan, view-ness and depth of the node, so recording it costs the
-    comparisons of `trace.match`, a node and a wrapper -- no key is built or hashed.  The
-    decision to record is the one `dispatch` made when the step was learnt: it depends only on
-    the op, the block's options (the trie's root) and what the step's specs fix.  Returns None
-    when not predicted, or when a flush must come first (`dispatch` does it)."""
-    hit = trace.match(cands, ctx.trace, args, kwargs)
-    if hit is None:
-        return None
-    step, inputs = hit
-    plan = step.plan
-    node = LazyNode(plan, inputs, step.depth)
-    if (ctx.recorded >= (ctx.flush_check_from if plan.gpu else ctx.flush_check_from_cpu)
-            or node.depth > ctx.max_nodes) and \
-            _flush_first(ctx, plan, node.depth) is not None:
-        return None
-    ctx.work += plan.work
-    tr = ctx.trace
-    node.tpos = len(tr)
-    tr.append(node)
-    ctx.cursor = step
-    ctx.trace_hits += 1
-    ctx.recorded += 1                 # _commit, inlined
-    if _graph_task_id() != ctx.backward_task:
-        _note_graph_task(ctx)
-    if step.is_view and type(inputs[0]) is tuple:
-        root = view_root(*inputs[0])
-        if root is not None:
-            root[0].has_views = True
-    if node.container is not None:
-        outs = [new_wrapper(d, node.device, node, k) if type(d) is tuple else d for k, d in enumerate(node.descs)]
-        ctx._track([r for r in node.wrappers if r is not None])
-        return node.container(outs)
-    w = _make_wrapper(LazyTensor, plan.descs[0][0], **plan.wrap_kw)
-    w._lz_node = node
-    w._lz_idx = 0
-    w._lz_real = None
-    ref = node.wrappers[0] = weakref.ref(w)
-    live = ctx.live
-    live.append(ref)
-    if len(live) > 4 * ctx.max_nodes:
-        ctx.pending_values()          # prune dead and computed entries
-    return w
-
-
 # Recording plans: everything `_make_node` learns about an op from its non-tensor arguments and
 # the metadata of its tensor arguments (argument template, output layouts, or why it cannot be
 # recorded), keyed by (op, scalars, tensor metadata).  A loop that records the same op on the
@@ -331,22 +286,9 @@ class Plan:
     container: Any
     device: torch.device
     work: int = 0          # elements written by the op (0 for views): see lazy(pipeline_ops=)
-    wrap_kw: dict | None = None   # _make_wrapper_subclass arguments of a single output's wrapper
     func: Any = None       # the op (a plan's key holds its id)
     is_view: bool = False  # the op is a view (OpInfo.is_view)
     gpu: bool = False      # on a CUDA device: pipelining may cut at it (see _flush_first)
-
-
-def _wrap_kwargs(desc: tuple, device: torch.device) -> dict:
-    """Arguments for the wrapper of an output with `desc`, leaving out strides and offset when
-    they are the defaults (contiguous, 0): about 0.3 us less per recorded op."""
-    size, stride, offset, dtype = desc
-    kw: dict = {"dtype": dtype, "device": device}
-    if offset or stride != torch.empty(size, device="meta").stride():
-        kw["strides"] = stride        # (an offset is taken only with strides)
-    if offset:
-        kw["storage_offset"] = offset
-    return kw
 
 
 _PLANS: dict[tuple, "Plan | str"] = {}
@@ -530,8 +472,7 @@ def _make_plan(func: Any, info: OpInfo, args: tuple, kwargs: dict) -> "Plan | st
         return str(e)
     dids = tuple(_did(d, device) if type(d) is tuple else None for d in descs)
     work = 0 if info.is_view else sum(math.prod(d[0]) for d in descs if type(d) is tuple)
-    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work,
-                _wrap_kwargs(descs[0], device) if container is None else None, func, info.is_view,
+    return Plan(targs, tkwargs, (id(func), skel), descs, dids, container, device, work, func, info.is_view,
                 device.type == "cuda")
 
 

@@ -8,15 +8,14 @@ chain follows pending values made by the path's own steps).  `recorder(step, tra
 that into straight-line Python: the specs become comparisons against constants, the node and
 its wrapper are built from constants, and what the step makes unnecessary is left out (output
 index checks of single-output producers; the elements written, counted only on CUDA where
-pipelining reads them; the view bookkeeping of non-views).  The generic path
-(`trace.match` + `mode._record_predicted`) does the same with loops over specs and lookups
-in the plan and step; this runs for every recorded op of a program seen before.
+pipelining reads them; the view bookkeeping of non-views).  This runs for every recorded op of
+a program seen before: a generic matcher (loops over the specs, lookups in the plan and step)
+cost about twice the Python per op.
 
 The source is generated once per *pattern* (argument kinds, keyword names and the flags
 above) and compiled into a factory; each step calls its pattern's factory with its own
 constants (closure cells), so a model's hundreds of steps share a few dozen code objects.
-Steps the generator does not cover (lists of tensors, several outputs, factories) keep the
-generic path.  `dispatcher(cands)` is what the mode calls for an op the cursor predicts: the
+`dispatcher(cands)` is what the mode calls for an op the cursor predicts: the
 recorder of the only candidate step, or a loop over several.
 """
 from __future__ import annotations
@@ -38,10 +37,15 @@ log = logging.getLogger("torchfuse.lazy")
 
 Recorder = Callable[["LazyContext", tuple, Any], Any]
 
+
+def _unset(*args: Any) -> Any:
+    raise RuntimeError("torchfuse.lazy: recorder used before torchfuse.lazy.mode was imported")
+
+
 # (ctx, plan, depth) -> why everything pending must be computed first, or None; set by mode.py
-flush_first: Callable[..., str | None]
+flush_first: Callable[..., str | None] = _unset
 # ctx -> None: the first op of a backward pass (mode._note_graph_task); set by mode.py
-note_graph_task: Callable[..., None]
+note_graph_task: Callable[..., None] = _unset
 
 _MISSING = object()          # a keyword argument the call does not pass
 _FACTORIES: dict[tuple, Callable[..., Recorder]] = {}
@@ -72,7 +76,7 @@ def _arg_check(spec: tuple, a: str, c: str, consts: dict, trace: list) -> tuple[
     if kind == _VALUE:
         consts[f"{c}t"], consts[f"{c}v"] = spec[1], spec[2]
         return [f"if type({a}) is not {c}t or {a} != {c}v: return None"], [], (kind,)
-    if kind == _FLOAT:      # by repr as well: -0.0 != 0.0 (see trace._match_arg)
+    if kind == _FLOAT:      # by repr as well: -0.0 != 0.0 (nan never matches: a miss, not an error)
         consts[f"{c}v"], consts[f"{c}r"] = spec[1], spec[2]
         return [f"if type({a}) is not float or {a} != {c}v or ({a} == 0.0 and repr({a}) != {c}r): "
                 "return None"], [], (kind,)
@@ -157,7 +161,7 @@ def _source(pattern: tuple, names: list[str], checks: list[str], ins: list[str])
         body.append(f"ctx.live.append({live[0]})")
     else:
         # (one op adds several: the list can outgrow what `recorded` bounds)
-        body += [f"live = ctx.live", f"live.extend(({', '.join(live)},))",
+        body += ["live = ctx.live", f"live.extend(({', '.join(live)},))",
                  "if len(live) > 4 * ctx.max_nodes: ctx.pending_values()   # prune dead and computed entries"]
     outs = [f"w{k}" if kind == "tensor" else f"const{k}" for k, (kind, _, _) in enumerate(outputs)]
     body.append(f"return container([{', '.join(outs)}])" if container else "return w0")
@@ -171,8 +175,9 @@ def _source(pattern: tuple, names: list[str], checks: list[str], ins: list[str])
 def recorder(step: Step, trace: list) -> Recorder | None:
     """The recording function of `step`, just learnt: its node is the last of `trace`.
     (ctx, args, kwargs) -> the op's output(s), or None when the arguments do not match the
-    step or a flush must come first (the caller then takes the generic path).  None where
-    the step's node cannot stand for every node the step records (see the view root)."""
+    step or a flush must come first (the mode then records the op the ordinary way).  None
+    where the step's node cannot stand for every node the step records (a view whose root is
+    not in the trace: not expected, since the specs of a path's views point into its trace)."""
     plan = step.plan
     node = trace[-1]
     root_at = None
