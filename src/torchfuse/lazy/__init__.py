@@ -76,9 +76,9 @@ symbolic compile disagrees with eager on its first run, is compiled with static 
 size).  Writes that bypass the dispatcher (through `.numpy()` arrays,
 `data_ptr()` in C extensions) are not seen -- call `ctx.flush()` first; a pending LazyTensor
 has no memory until computed, so C++ code reading its data pointer directly must see a computed
-one; interception costs a few microseconds per op in Python (1.1-1.9x a TorchDispatchMode
-that only runs each op, on the 2-core CPU), so code outside captured modules on tiny tensors
-runs slower than eager; factories on CUDA run eagerly.  Prediction is off from an in-place op recorded on a pending value to the
+one; interception costs a few microseconds per op (0.9-1.2x a TorchDispatchMode that only
+runs each op, on the 2-core CPU: the mode's dispatch and a wrapper per output are most of it),
+so code outside captured modules on tiny tensors runs slower than eager; factories on CUDA run eagerly.  Prediction is off from an in-place op recorded on a pending value to the
 next flush.
 """
 from .context import LazyContext, lazy
