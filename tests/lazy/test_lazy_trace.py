@@ -171,3 +171,29 @@ def test_many_variants_of_an_op_keep_the_newest_predicted():
         out, ctx = lazy_run(program, x, x)
     assert ctx.trace_misses == 0 and ctx.trace_hits > 0
     torch.testing.assert_close(out, program(x, x))
+
+
+def test_a_training_step_is_predicted_through_its_backward():
+    """Backward ops take bool lists (native_layer_norm_backward's output_mask): a step must
+    predict them, or prediction stops at the first one, every step."""
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.LayerNorm(10), torch.nn.GELU(),
+                                torch.nn.Linear(10, 3))
+    ref = torch.nn.Sequential(*[type(m)(*a) for m, a in ((model[0], (6, 10)), (model[1], (10,)),
+                                                          (model[2], ()), (model[3], (10, 3)))])
+    ref.load_state_dict(model.state_dict())
+    block = torchfuse.lazy(capture_modules=False, options={"strict": True})
+    for step in range(3):
+        x = torch.randn(5, 6)
+        misses, hits = block.trace_misses, block.trace_hits
+        with block:
+            loss = model(x).square().mean()
+            loss.backward()
+        ref_loss = ref(x).square().mean()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+            p.grad = q.grad = None
+    # the third step: forward and backward all predicted (nothing recorded the ordinary way)
+    assert block.trace_misses == misses and block.trace_hits - hits > 20

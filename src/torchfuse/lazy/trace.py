@@ -123,7 +123,10 @@ def _spec_of(a: Any, trace: list) -> tuple:
     if (t is list or t is tuple) and any(isinstance(x, torch.Tensor) for x in a):
         return (_TLIST, t, tuple(_spec_of(x, trace) for x in a))
     if t is list or t is tuple:
-        if not all(type(x) is int for x in a):     # (floats in a list: -0.0 == 0.0)
+        # ints (sizes, dims) or bools (a backward's output_mask); floats in a list would match
+        # by ==, which does not tell -0.0 from 0.0
+        kinds = {type(x) for x in a}
+        if not (kinds <= {int} or kinds == {bool}):
             raise _NoSpec("a list of non-integers")
         return (_VALUE, t, a if t is tuple else list(a))
     if t in (bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format):
