@@ -10,7 +10,9 @@ its wrapper are built from constants, and what the step makes unnecessary is lef
 index checks of single-output producers; the elements written, counted only on CUDA where
 pipelining reads them; the view bookkeeping of non-views).  This runs for every recorded op of
 a program seen before: a generic matcher (loops over the specs, lookups in the plan and step)
-cost about twice the Python per op.
+cost about twice the Python per op.  Recording from a step without asking `mode.dispatch` is
+sound because its decision depends only on the op, the block's options (the trie's root) and
+what the step's specs fix.
 
 The source is generated once per *pattern* (argument kinds, keyword names and the flags
 above) and compiled into a factory; each step calls its pattern's factory with its own
