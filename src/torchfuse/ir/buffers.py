@@ -121,6 +121,9 @@ class ComputedBuffer:
     # the scatter's adds must come in an order that does not change from run to run
     # (torch.use_deterministic_algorithms; Features.deterministic_scatters)
     deterministic: bool = False
+    # why the lowering stored this value where it would otherwise be inlined into its readers,
+    # if a rule there says (explain() lists it with the refused fusions)
+    stored_because: str = ""
 
     @property
     def is_reduction(self) -> bool:

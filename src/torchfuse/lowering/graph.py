@@ -118,7 +118,8 @@ class GraphLowering:
         name = self.new_name()
         origins = list(origins) or list(getattr(value, "origins", ())) or \
             ([self.current.name] if self.current is not None else [])
-        buf = ComputedBuffer(name, value.dtype, layout, ranges, body, red_op, tuple(red_ranges), origins)
+        buf = ComputedBuffer(name, value.dtype, layout, ranges, body, red_op, tuple(red_ranges), origins,
+                             stored_because=getattr(value, "stored_because", ""))
         self.steps.append(buf)
         self.buffer_meta[name] = (layout.sizes, layout.strides, value.dtype, self.device)
         if slot is not None:

@@ -10,7 +10,9 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
 - inlining it would keep more than MAX_DEFERRED_READS buffers of its size alive across an ATen
   call, buffers nothing else reads later (`defers_dying_reads`: a gradient summed over layers);
 - on the CPU, its readers broadcast a transcendental (`broadcast_recomputes`: rotary embeddings'
-  sin and cos tables, read by every batch and head).
+  sin and cos tables, read by every batch and head);
+- several scatters would each compute it, in kernels of their own, at a higher cost than
+  storing it (`scatter_recomputes`: a GAT layer's edge scores).
 Where it is stored: channels-last when computed from channels-last buffers only
 (`channels_last_inputs`); row-major when computed from smaller inputs only and read by kernels
 only (`broadcast_only_for_kernels`); an attention bias with aligned strides, once per broadcast mask
@@ -27,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
-from .registry import LOWERINGS, REDUCTIONS, is_view
+from .registry import LOWERINGS, REDUCTIONS, SCATTERS, is_view
 from .values import ATTENTION_BIAS_ARG, aligned_bias_layout, is_dense, layout_of, meta_val, misaligned, shape_of
 from ..ir.nodes import EXPENSIVE_OPS, Node, const, cost, unit_move, var
 from ..ir.nodes import loads as _loads, walk as _walk
@@ -49,6 +51,11 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
             return True
         body = _body(value)
         if cost(body) > config.inline_max_cost:
+            return True
+        why = scatter_recomputes(node, value, body)
+        if why:
+            value.stored_because = why        # (explain() lists it with the refused fusions)
+            log.debug("%s: stored, %s", node.name, why)
             return True
         # store it when that reads fewer bytes than recomputing it in every reader (each
         # reads its m inputs, where storing reads them once, writes it once and reads it
@@ -96,6 +103,77 @@ def broadcast_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> boo
     log.debug("%s: stored, since its readers would evaluate its transcendental %d times (%d elements)",
               node.name, sum(sizes), size)
     return True
+
+
+def scatter_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> str:
+    """Why the value is stored because several scatters would each compute it, or "".
+
+    A scatter is a kernel of its own (registry.SCATTERS): a value that k kernels read, s >= 1 of
+    them scatters and the other readers (elementwise, reductions) counted as one more kernel,
+    is evaluated k times if inlined.  An evaluation costs `cost(body)` per element plus one per
+    gather (a load at a loaded index); storing costs a write and a read in each reader, so the
+    value is stored where (k - 1) evaluations cost more than k + 1.  A GAT layer's edge score
+    leaky_relu(a[src] + b[dst]) was computed by its scatter amax, its scatter sum of exp(score -
+    max[dst]) and its sum of weighted messages, the exp by the last two: 0.52 + 0.33 ms of a
+    3.8 ms layer on one CPU thread, where Inductor computes each once.  A scatter whose loops are
+    the value's own takes the stored value's loop as its prologue (scheduler/fusion.py
+    `_scatter_prologue`): no kernel more.  Where none does, the store is a kernel call more, paid
+    only from BROADCAST_RECOMPUTE_MIN elements on."""
+    scatters, other, direct = _scatter_readers(node)
+    k = len(scatters) + int(other)
+    if not scatters or k < 2:
+        return ""
+    gathers = sum(1 for ld in _loads(body) if any(x.op == "load" for x in _walk(ld.args[0])))
+    per_eval = cost(body) + gathers
+    if (k - 1) * per_eval <= k + 1:
+        return ""
+    size = _static_numel(value.shape)
+    if not direct and size is not None and size < BROADCAST_RECOMPUTE_MIN:
+        return ""
+    return (f"{k} kernels read it, {len(scatters)} of them scatters ({', '.join(u.name for u in scatters)}), "
+            f"and each would compute it (cost {per_eval} an element, {k * per_eval} in all, where storing "
+            f"costs {per_eval + k + 1})")
+
+
+def _scatter_readers(node: fx.Node, depth: int = 8) -> tuple[list[fx.Node], bool, bool]:
+    """(the scatters that would compute `node`'s value in their loops, reached through views
+    and elementwise ops; whether anything else reads it; whether a scatter reads it itself over
+    loops of its shape).  Past `depth` elementwise ops, a reader counts as another."""
+    scatters: list[fx.Node] = []
+    other = direct = False
+    own = _squeezed(node)
+    stack, seen = [(node, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            spec = SCATTERS.get(user.target) if user.op == "call_function" else None
+            if spec is not None:
+                start, domain = spec
+                at = [i for i, a in enumerate(user.args) if a is n or (isinstance(a, (list, tuple)) and n in a)]
+                if start in at:
+                    other = True        # the kernel that initialises the output reads it
+                if any(i != start for i in at) or any(v is n for v in user.kwargs.values()):
+                    scatters.append(user)
+                    direct |= d == 0 and domain is not None and _squeezed(user.args[domain]) == own
+            elif user.op == "call_function" and user.target in REINDEX:
+                stack.append((user, d))
+            elif user.op == "call_function" and user.target in LOWERINGS and user.target not in REDUCTIONS \
+                    and d < depth:
+                stack.append((user, d + 1))
+            else:
+                other = True
+    return scatters, other, direct
+
+
+def _squeezed(node: Any) -> tuple | None:
+    """The node's shape without its dims of size 1 (which never change a loop), or None."""
+    val = meta_val(node) if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    return tuple(s for s in shape_of(val) if not (s.op == "const" and s.arg == 1))
 
 
 def _static_numel(shape: Sequence[Node]) -> int | None:
@@ -155,7 +233,8 @@ def readers_converge(node: fx.Node, depth: int = 6) -> bool:
     for user in users:
         chain, n = set(), user
         for _ in range(depth):
-            if n.target not in LOWERINGS or n.target in REDUCTIONS:
+            # (a reduction or a scatter runs in a loop of its own: no expression goes through it)
+            if n.target not in LOWERINGS or n.target in REDUCTIONS or n.target in SCATTERS:
                 break
             chain.add(n)
             nxt = readers(n)

@@ -39,6 +39,17 @@ REDUCTIONS = frozenset({
     torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default})
 
 
+# Scatters (lowering/scatter.py): each runs as a kernel of its own over its source domain and
+# evaluates there every argument but the tensor it starts from, so a value that several of them
+# read is computed once in each (lowering/realize.py `scatter_recomputes`).  Per op: (the position
+# of the tensor it starts from, None for a fill; the position of the tensor whose shape is its
+# loop domain, None where the domain is a broadcast of several).
+SCATTERS: dict[Any, tuple[int | None, int | None]] = {
+    aten.scatter_add.default: (0, 2), aten.scatter.src: (0, 2), aten.scatter.reduce: (0, 2),
+    aten.scatter_reduce.two: (0, 2), aten.index_put.default: (0, None), aten._unsafe_index_put.default: (0, None),
+    aten.index_add.default: (0, 3), aten.index_copy.default: (0, 3), aten.embedding_dense_backward.default: (None, 0)}
+
+
 def is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in LOWERINGS and \
         (getattr(node.target, "is_view", False) or node.target is aten._unsafe_view.default)

@@ -364,6 +364,30 @@ def _try_join(kernel: Kernel, step: ComputedBuffer) -> tuple[Kernel | None, str]
     return None, reason
 
 
+def _scatter_prologue(kernel: Kernel, step: ComputedBuffer) -> tuple[Member | None, str]:
+    """The scatter `step` as the last member of the open pointwise `kernel`, whose values it reads
+    at the point it updates from (a GAT's per-edge score, stored for its other readers, and the
+    scatter amax over it: one loop over the edges, as Inductor's), or (None, why not; "" where it
+    reads none of them).  The kernel closes after it: nothing may read a scatter's output in the
+    loop that updates it, nor may the loop write or read the buffer it updates."""
+    written = {m.buffer.name for m in kernel.members}
+    reads = [ld for ld in loads(step.body) + loads(step.store_index()) if ld.arg in written]
+    if not reads:
+        return None, ""
+    if kernel.kind != "pointwise" or kernel.inner or kernel.outer != squeeze(step.ranges):
+        return None, (f"a scatter takes as its prologue only a pointwise kernel over its own domain "
+                      f"[{_fmt(squeeze(step.ranges))}], not [{_fmt(kernel.outer + kernel.inner)}]")
+    if step.into in written or any(ld.arg == step.into for m in kernel.members for ld in loads(m.body)):
+        return None, f"the kernel writes or reads {step.into}, which the scatter updates"
+    _, member = _place(kernel, step, _fit("pointwise", kernel.outer, len(kernel.outer), step, kernel.outer,
+                                          "kernel"))
+    stores = {m.buffer.name: m.store for m in kernel.members}
+    for ld in loads(member.body) + loads(member.store):
+        if ld.arg in stores and ld.args[0] != stores[ld.arg]:
+            return None, f"reads {ld.arg} at [{to_text(ld.args[0])}] but it is written at [{to_text(stores[ld.arg])}]"
+    return member, ""
+
+
 def _join_earlier(items: list, current: Kernel | None, step: ComputedBuffer, config: Config) -> bool:
     """Fuse `step` into one of the last LOOK_BACK kernels if it fits there and reads nothing made
     after it (`current`, the open kernel, comes after all `items`).  Moving a buffer earlier is
@@ -424,7 +448,26 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
             close()
             items.append(step)
             continue
+        if step.stored_because:
+            refused.append(f"{step.name} ({', '.join(step.origins)}) not inlined into its readers: "
+                           f"{step.stored_because}")
         if step.scatter is not None:
+            if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
+                member, reason = _scatter_prologue(current, step)
+                if member is None and not reason and items and isinstance(items[-1], Kernel) and \
+                        not _defines(items[-1]) & {ld.arg for m in current.members for ld in loads(m.body)}:
+                    # what it reads is the kernel's before, and the open one does not depend on
+                    # that kernel (it initialises the scatter's output): the open one runs first
+                    member, reason = _scatter_prologue(items[-1], step)
+                    if member is not None:
+                        items[-1], current = current, items[-1]
+                if member is not None:
+                    current.members.append(member)
+                    close()
+                    continue
+                if reason:
+                    refused.append(f"{step.name} ({', '.join(step.origins)}) not fused into {current.name} "
+                                   f"({', '.join(current.origins)}): {reason}")
             close()
             current = Kernel(f"kernel{count}", squeeze(step.ranges), ())
             count += 1

@@ -796,4 +796,5 @@ def _result_cast(dtype: torch.dtype, result: str) -> str:
 
 
 def translation_unit(kernel_sources: list[str]) -> str:
-    return PRELUDE + CHECKS + "\n\n" + "\n\n".join(kernel_sources) + "\n"
+    from .scatter import SCATTER_PRELUDE
+    return PRELUDE + CHECKS + SCATTER_PRELUDE + "\n\n" + "\n\n".join(kernel_sources) + "\n"
