@@ -356,3 +356,77 @@ def test_transcendental_read_element_for_element_stays_inlined():
     for out, ref in zip(e.output, fn(x, y)):
         torch.testing.assert_close(out, ref)
     assert len(e.kernels) == 1, [(kern.name, kern.writes) for kern in e.kernels]
+
+
+# -- a value several scatters would each compute is stored once --------------------------------
+
+def _kernels_computing(e, op: str) -> list[str]:
+    return [kern.name for kern in e.kernels if op in kern.nodes]
+
+
+@pytest.mark.parametrize("backend,dtype", [("cpp", torch.float32), ("cpp", torch.bfloat16),
+                                           ("triton", torch.float32)])
+def test_edge_score_read_by_three_scatters_is_computed_once(tf, backend, dtype):
+    """A GAT layer: the edge score leaky_relu(a[src] + b[dst]) is read by the scatter amax, the
+    scatter sum of exp(score - max[dst]) and the weighted messages' index_add, the exp by the
+    last two.  Each is stored by the loop of the first scatter reading it (the amax's, the sum's),
+    and the others read it: still five kernels, and the score's and the exp's ops in one each
+    (inlined: in three and two).  Colliding indices, negative source indices (gathers only)."""
+    from tests.lowering.test_scatter import gat_layer
+    torch.manual_seed(0)
+    nodes, edges = 37, 300
+    x, w = tf.rand((nodes, 16), dtype), tf.rand((16, 16), dtype, low=-0.3, high=0.3)
+    src, dst = torch.randint(-nodes, nodes, (edges,)), torch.randint(0, nodes, (edges,))
+    tol = (5e-2, 5e-2) if dtype == torch.bfloat16 else (1e-4, 1e-4)
+    options = {"cpu_backend": "triton"} if backend == "triton" else {}
+    e = tf.check(gat_layer, x, src, dst, w, tf.rand((16,), dtype), tf.rand((16,), dtype), options=options,
+                 kernels=5, allow_fallbacks={"aten.mm.default"}, atol=tol[0], rtol=tol[1])
+    assert len(_kernels_computing(e, "where")) == 1, [(k.name, k.nodes) for k in e.kernels]   # (leaky_relu)
+    assert len(_kernels_computing(e, "exp")) == 1, [(k.name, k.nodes) for k in e.kernels]
+    if dtype == torch.bfloat16:
+        return        # (its bf16 roundings make the score costly enough to be stored anyway)
+    reasons = [r for r in e.refused_fusions if "not inlined into its readers" in r]
+    assert len(reasons) == 2 and "3 of them scatters" in reasons[0] and "2 of them scatters" in reasons[1], reasons
+
+
+def _edge_weighted_sum(x, a, b, src, dst):
+    """A weight per edge, read by two index_adds: its sum per node and the weighted messages'."""
+    wt = (a[src] * b[dst]).relu()
+    s = torch.zeros(x.shape[0], dtype=x.dtype).index_add(0, dst, wt)
+    return torch.zeros_like(x).index_add(0, dst, x[src] * wt[:, None]) / (s[:, None] + 1)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_edge_weight_read_by_two_index_adds_is_computed_once(tf, backend, index_dtype):
+    torch.manual_seed(0)
+    nodes, edges = 23, 150
+    x, a, b = tf.rand((nodes, 8)), tf.rand((nodes,)), tf.rand((nodes,))
+    src = torch.randint(-nodes, nodes, (edges,)).to(index_dtype)
+    dst = torch.randint(0, nodes, (edges,)).to(index_dtype)
+    options = {"cpu_backend": "triton"} if backend == "triton" else {}
+    e = tf.check(_edge_weighted_sum, x, a, b, src, dst, options=options, atol=1e-4, rtol=1e-4)
+    assert len(_kernels_computing(e, "relu")) == 1, [(k.name, k.nodes) for k in e.kernels]
+
+
+def test_cheap_value_read_by_two_scatters_stays_inlined(tf):
+    """v * 2 costs less to compute in each of the two scatters than to store and read back."""
+    x, v = tf.rand((11,)), tf.rand((40,))
+    i = torch.randint(0, 11, (40,))
+    e = tf.check(lambda x, v, i: (torch.scatter_add(x, 0, i, v * 2), torch.zeros(11).index_add(0, i, v * 2)),
+                 x, v, i, atol=1e-5, rtol=1e-5)
+    assert len(_kernels_computing(e, "mul")) == 2, [(k.name, k.nodes) for k in e.kernels]
+    assert not any("not inlined" in r for r in e.refused_fusions), e.refused_fusions
+
+
+def test_gat_layer_gradients_with_stored_scores(tf):
+    from tests.lowering.test_scatter import gat_layer
+    torch.manual_seed(0)
+    nodes, edges = 29, 200
+    x = tf.rand((nodes, 12)).requires_grad_()
+    w = tf.rand((12, 12), low=-0.3, high=0.3).requires_grad_()
+    a_s, a_d = tf.rand((12,)).requires_grad_(), tf.rand((12,)).requires_grad_()
+    src, dst = torch.randint(-nodes, nodes, (edges,)), torch.randint(0, nodes, (edges,))
+    e = tf.check_grad(gat_layer, x, src, dst, w, a_s, a_d, allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
+    assert len([k for k in e.kernels if not k.graph.endswith("_backward") and "where" in k.nodes]) == 1, \
+        [(k.name, k.nodes) for k in e.kernels]
