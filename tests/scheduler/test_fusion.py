@@ -395,3 +395,33 @@ def test_norm_over_a_permuted_view_is_one_kernel(tf, dtype, hw, backend, stored)
     options = {"cpu_backend": backend, **({"inline_max_cost": 0} if stored else {})}
     e = tf.check(fn, x, y, weight, bias, kernels=1, check_stride=True, atol=tol, rtol=tol, options=options)
     assert not e.refused_fusions, e.refused_fusions
+
+
+def _score_and_max(a, b, src, dst):
+    """A per-edge score the graph returns (so it is stored) and its scatter amax per node."""
+    e = F.leaky_relu(a[src] + b[dst], 0.2)
+    return e, torch.full((a.shape[0],), float("-inf")).scatter_reduce(0, dst, e, "amax", include_self=True)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_scatter_takes_the_kernel_of_what_it_reads_as_prologue(tf, backend):
+    """The score's kernel computes the amax in the same loop (its output's initial value runs
+    first): two kernels, where the score, the fill and the scatter took three."""
+    a, b = tf.rand((37,)), tf.rand((37,))
+    src, dst = torch.randint(-37, 37, (300,)), torch.randint(0, 37, (300,))
+    options = {"cpu_backend": "triton"} if backend == "triton" else {}
+    e = tf.check(_score_and_max, a, b, src, dst, options=options, kernels=2)
+    assert "where" in e.kernels[1].nodes and "scatter_reduce" in e.kernels[1].nodes, [k.nodes for k in e.kernels]
+
+
+def test_scatter_reading_its_producer_elsewhere_is_no_prologue(tf):
+    """Read at another point (flipped), the score (stored: returned, and costly) must be complete
+    before the scatter starts."""
+    a, b = tf.rand((37,)), tf.rand((37,))
+    src, dst = torch.randint(-37, 37, (300,)), torch.randint(0, 37, (300,))
+
+    def fn(a, b, src, dst):
+        e = (a[src] + b[dst]).sin().exp()
+        return e, torch.zeros(37).index_add(0, dst, e.flip(0))
+    e = tf.check(fn, a, b, src, dst, kernels=3, atol=1e-5, rtol=1e-5)
+    assert any("reads" in r and "but it is written at" in r for r in e.refused_fusions), e.refused_fusions

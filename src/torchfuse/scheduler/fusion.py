@@ -453,21 +453,23 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
                            f"{step.stored_because}")
         if step.scatter is not None:
             if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
+                target = current
                 member, reason = _scatter_prologue(current, step)
                 if member is None and not reason and items and isinstance(items[-1], Kernel) and \
                         not _defines(items[-1]) & {ld.arg for m in current.members for ld in loads(m.body)}:
                     # what it reads is the kernel's before, and the open one does not depend on
                     # that kernel (it initialises the scatter's output): the open one runs first
-                    member, reason = _scatter_prologue(items[-1], step)
+                    target = items[-1]
+                    member, reason = _scatter_prologue(target, step)
                     if member is not None:
-                        items[-1], current = current, items[-1]
+                        items[-1], current = current, target
                 if member is not None:
                     current.members.append(member)
                     close()
                     continue
                 if reason:
-                    refused.append(f"{step.name} ({', '.join(step.origins)}) not fused into {current.name} "
-                                   f"({', '.join(current.origins)}): {reason}")
+                    refused.append(f"{step.name} ({', '.join(step.origins)}) not fused into {target.name} "
+                                   f"({', '.join(target.origins)}): {reason}")
             close()
             current = Kernel(f"kernel{count}", squeeze(step.ranges), ())
             count += 1

@@ -68,3 +68,59 @@ def test_flat_scatters_with_out_of_range_rows_skipped(tf, one_thread, dtype):
                 torch.index_put(x, (idx,), (v * 0.5).sin(), accumulate=True))
     tol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (1e-5, 1e-5)
     tf.check(fn, x, v, idx, atol=tol[0], rtol=tol[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+@pytest.mark.parametrize("threads", ["one", "parallel"])
+def test_amax_amin_updates_keep_eager_semantics(tf, dtype, threads):
+    """The branch-free read-modify-write of amax and amin (tf_max_sel / tf_min_sel): NaN wins
+    wherever it comes, in the values or in `self`; +-inf and colliding indices; one thread (the
+    staged blocks) and the compare-and-swap of the parallel loop (parallel_threshold 1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if threads == "one" else max(before, 2))
+    try:
+        x, v = tf.rand((17,), dtype), tf.rand((150,), dtype)
+        if dtype.is_floating_point:
+            v[::7], v[3::11], v[5::13] = float("nan"), float("inf"), float("-inf")
+            x[2] = float("nan")
+        idx = torch.randint(0, 17, (150,))
+
+        def fn(x, v, i):
+            return x.scatter_reduce(0, i, v * 2, "amax"), x.scatter_reduce(0, i, v - 1, "amin", include_self=False)
+        opts = {"parallel_threshold": 1} if threads == "parallel" else {}
+        tol = (2e-2, 2e-2) if dtype == torch.bfloat16 else (None, None)
+        tf.check(fn, x, v, idx, options=opts, atol=tol[0], rtol=tol[1])
+    finally:
+        torch.set_num_threads(before)
+
+
+def _messages_max_and_sum(x, y, src, dst):
+    """Per edge and feature a message read by two scatters over [edges, features]: stored by the
+    first one's loop (its prologue, computed per element in its row loop)."""
+    msg = (x[src] * y).sin()
+    out = torch.zeros_like(x).index_add(0, dst, msg)
+    idx = dst[:, None].expand(-1, x.shape[1])
+    return out, torch.full_like(x, float("-inf")).scatter_reduce(0, idx, msg, "amax")
+
+
+@pytest.mark.parametrize("threads", ["one", "parallel"])
+@pytest.mark.parametrize("features", [8, 1])
+def test_scatter_prologues_in_every_loop_variant(tf, threads, features):
+    """A prologue in the row loops (8 features), the blocked flat loop (1 feature: its dim goes),
+    and the parallel loops: per-thread copies (the sum), compare-and-swap (the amax).  GAT's
+    chain with parallel loops too."""
+    from tests.lowering.test_scatter import gat_layer
+    before = torch.get_num_threads()
+    torch.set_num_threads(1 if threads == "one" else max(before, 2))
+    try:
+        opts = {"parallel_threshold": 1} if threads == "parallel" else {}
+        x, y = tf.rand((19, features)), tf.rand((230, features))
+        src, dst = torch.randint(-19, 19, (230,)), torch.randint(0, 19, (230,))
+        e = tf.check(_messages_max_and_sum, x, y, src, dst, options=opts, atol=1e-5, rtol=1e-5)
+        assert [k.name for k in e.kernels if "sin" in k.nodes] == [next(k.name for k in e.kernels if "index_add" in k.nodes
+                                                                        and "sin" in k.nodes)], [k.nodes for k in e.kernels]
+        h = tf.rand((19, 12))
+        tf.check(gat_layer, h, src, dst, tf.rand((12, 12)) / 4, tf.rand((12,)), tf.rand((12,)), options=opts,
+                 kernels=5, allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
