@@ -7,7 +7,9 @@ Each becomes two steps.  The output is first initialised by an ordinary pointwis
 copy of `self`, or zeros), which fuses with its neighbours like any other; then a scatter
 (`ComputedBuffer.scatter`) runs over the *source* domain (the index tensor's, or the values')
 and does `out[index(i)] (op)= value(i)`, where `value` is a fused expression of its inputs (a
-GNN's message `x[src] * w` is computed in the scatter's own loop, never stored).  The backends
+GNN's message `x[src] * w` is computed in the scatter's own loop, never stored; a value that
+several scatters read, a GAT's edge score, is stored once where recomputing it costs more:
+realize.py `scatter_recomputes`).  The backends
 accumulate with atomics (Triton) or `omp atomic` / compare-and-swap (C++).
 
 A negative index counts from the end, as in eager; an index still out of range after that is

@@ -12,6 +12,10 @@ Here, realized buffers that share a loop structure join one kernel:
 A member may read another member of its kernel only at the same outer point (and, inside one
 loop, the same inner point), so every kernel is a correct parallel loop over `outer`.
 
+A scatter runs alone, except for a prologue: the pointwise kernel over its own loops whose values
+it reads at the point it updates from (a GAT's per-edge score, stored because several scatters
+read it, and the scatter amax over it) computes them in the scatter's loop (`_scatter_prologue`).
+
 A buffer whose loops are a reshape of the kernel's (attention's [B*H, S, S] scores around a
 softmax over [B, H, S] x [S]) still joins it: the kernel is re-tiled over the common refinement
 of both shapes and every member's index vars are rewritten into its loop vars (tiling.py).  An

@@ -106,3 +106,26 @@ def test_decode_position_checked_once_and_cache_untouched():
     with pytest.raises(IndexError, match="index 17 "):
         f(got_cache, k, cos, sin, torch.tensor([17]))
     torch.testing.assert_close(got_cache, before, rtol=0, atol=0)
+
+
+def test_index_read_by_gather_and_scatter_checked_in_one_pass():
+    """Messages x[src] / s[dst] added into row dst: dst is checked as gathered and as scattered
+    to, one pass over it before the loops (a pass per index, src and dst, not per site)."""
+    x, s = torch.randn(37, 19), torch.rand(37) + 1
+    src, dst = torch.randint(-37, 37, (301,)), torch.randint(0, 37, (301,))
+
+    def fn(x, s, src, dst):
+        return torch.zeros_like(x).index_add(0, dst, x[src] / s[dst][:, None])
+    torch._dynamo.reset()
+    kernel = next(k for k in torchfuse.explain(fn, x, s, src, dst).kernels if "omp_get_max_threads" in k.source)
+    before_loops = kernel.source[:kernel.source.index("omp_get_max_threads")]
+    assert before_loops.count("tf_check_index(") == 2, kernel.source
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="torchfuse")
+    torch.testing.assert_close(f(x, s, src, dst), fn(x, s, src, dst))
+    bad = dst.clone()
+    bad[200] = 37
+    with pytest.raises(IndexError):
+        fn(x, s, src, bad)
+    with pytest.raises(IndexError, match="index 37 "):
+        f(x, s, src, bad)

@@ -81,3 +81,18 @@ def emit_precheck(em: Any, n: Node, site: int, ranges: Mapping[str, Node], paral
     em.line("}")
     em.line(f"if (tf_bad{site} != INT64_MIN) {{ tf_err[0] = {site}; tf_err[1] = tf_bad{site}; "
             f"tf_err[2] = {em.index(size)}; return 1; }}")
+
+
+def emit_prechecks(em: Any, sites: list, ranges: Mapping[str, Node], produced: set[str],
+                   hoisted: set[str] | None, parallel_threshold: int) -> None:
+    """emit_precheck for each of the kernel's check sites that is `precheckable`, one pass per
+    index: a check of the same index against the same size (a GAT's edge targets, read by the
+    gather of their softmax sum and by the messages' index_add, each a pass over 800 KB) is made
+    once, by the earlier site, whose failure the kernel reports first either way."""
+    made: set[tuple] = set()
+    for k, (node, _) in enumerate(sites):
+        if precheckable(node, ranges, produced, hoisted):
+            if node.args not in made:
+                emit_precheck(em, node, k, ranges, parallel_threshold)
+                made.add(node.args)
+            em.prechecked.add(node)

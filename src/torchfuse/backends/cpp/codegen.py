@@ -16,7 +16,7 @@ from ...ir.nodes import INDEX, Node, free_syms, loads, to_text, walk
 from ...scheduler.loops import LoopPlan, Stage, rows_contiguous, step_of
 from ...codegen.checks import check_sites, unchecked_index
 from ...codegen.common import ExprEmitter
-from .checks import CHECKS, emit_precheck, precheckable
+from .checks import CHECKS, emit_prechecks
 from .common import CTYPE, STORAGE, _emit_loops, _store_expr
 
 PRELUDE = r"""
@@ -522,10 +522,7 @@ def kernel_source(plan: LoopPlan, buffer_dtypes: dict[str, torch.dtype], paralle
     hoisted = None          # the loops around a pointwise kernel's vector loop (hoist_checks)
     if kernel.scatter is None and kernel.kind == "pointwise" and plan.outer:
         hoisted = set(outer_vars[:len(outer_vars) - (2 if short_inner and len(outer_vars) > 1 else 1)])
-    for k, (node, _) in enumerate(sites):
-        if precheckable(node, ranges, produced, hoisted):
-            emit_precheck(em, node, k, ranges, parallel_threshold)
-            em.prechecked.add(node)
+    emit_prechecks(em, sites, ranges, produced, hoisted, parallel_threshold)
     in_loops = [k for k, (node, _) in enumerate(sites) if node not in em.prechecked]
     if in_loops:
         em.check_clause = f" reduction(max:{','.join(f'tf_bad{k}' for k in in_loops)})"

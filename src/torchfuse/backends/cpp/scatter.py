@@ -1,5 +1,7 @@
 """C++ for scatter kernels (lowering/scatter.py): `into[offset(i)] (op)= value(i)` over a source
-domain, where several points may update one element."""
+domain, where several points may update one element.  Pointwise members before the scatter (its
+prologue, scheduler/fusion.py `_scatter_prologue`) are computed and stored at each point of the
+same loops, in the staged vector loops where there are some."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
