@@ -146,7 +146,7 @@ def _scatter_readers(node: fx.Node, depth: int = 8) -> tuple[list[fx.Node], bool
     while stack:
         n, d = stack.pop()
         for user in n.users:
-            if user in seen:
+            if user in seen or user.target in _SHAPE_ONLY:
                 continue
             seen.add(user)
             spec = SCATTERS.get(user.target) if user.op == "call_function" else None
@@ -220,15 +220,26 @@ def read_only_as_attention_bias(node: fx.Node) -> bool:
     return True
 
 
+# ops that read only their argument's shape and dtype (torch_geometric's aggregation starts from
+# `src.new_zeros(size)` of the messages it scatters): no kernel computes the value for them
+_SHAPE_ONLY = frozenset({
+    torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_full.default, torch.ops.aten.new_empty_strided.default, torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default,
+    torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default})
+
+
 def readers_converge(node: fx.Node, depth: int = 6) -> bool:
     """Do all of the value's readers feed one elementwise expression within `depth` steps of
     single-reader elementwise ops?  A bilinear upsample's row interpolation `top` is read by
     `bottom - top` and by `top + (...) * w`, one expression: inlined, the kernel computes it
     once (the emitters share common subexpressions), where storing it writes and reads the
-    whole upsampled tensor once more, however costly its expression."""
-    users = readers(node)
+    whole upsampled tensor once more, however costly its expression.  Readers of its shape
+    alone (`_SHAPE_ONLY`) read no element: with one other reader, that one is the expression."""
+    every = readers(node)
+    users = [u for u in every if u.target not in _SHAPE_ONLY]
     if len(users) < 2:
-        return False
+        return len(users) == 1 and len(every) > 1
     common: set[fx.Node] | None = None
     for user in users:
         chain, n = set(), user

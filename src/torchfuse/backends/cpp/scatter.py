@@ -130,16 +130,22 @@ def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: b
                         pragma: str = "omp parallel for") -> None:
     m, pro = _split_members(plan)
     rows = plan.outer[-1] if len(plan.outer) > 1 else None
-    # (the row variants compute per row what does not change along it: a prologue is per element)
+    if pro and rows is not None and all(p.buffer.name in plan.stored for p in pro):
+        # over several loops, a prologue runs in vector loops of its own first (the row variants
+        # below compute per row what does not change along it, and stage short rows badly: a
+        # GATConv's exp over [edges, 4 heads] in the loop of its sum took 3x as long)
+        _emit_loops(em, [f"x{j}" for j in range(len(plan.outer))], plan.outer, para,
+                    lambda: _emit_prologue(em, plan, pro), pragma=pragma)
+        pro = []
     row = _contiguous_row(m, f"x{len(plan.outer) - 1}") if rows is not None and not pro else None
     if row is not None and para is None and not atomic and _costly(_row_invariants(m.body, f"x{len(plan.outer) - 1}")):
         _emit_scatter_contiguous_staged(em, plan, m, *row)
     elif row is not None:
         _emit_scatter_contiguous(em, plan, m, para, atomic, *row, pragma=pragma)
     elif rows is not None and rows.op == "const" and rows.arg <= SCATTER_ROW_MAX:
-        _emit_scatter_rows(em, plan, m, para, atomic, pragma=pragma)
+        _emit_scatter_rows(em, plan, m, pro, para, atomic, pragma=pragma)
     elif para is None and not atomic:
-        _emit_scatter_blocked(em, plan, m)
+        _emit_scatter_blocked(em, plan, m, pro)
     else:
         def point() -> None:
             _emit_prologue(em, plan, pro)
@@ -290,7 +296,7 @@ def _emit_scatter_contiguous_staged(em: Emitter, plan: LoopPlan, m, cond: Node |
     _emit_loops(em, [f"x{j}" for j in range(n - 2)], plan.outer[:-2], None, outer, simd_last=False)
 
 
-def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic: bool,
+def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, pro, para: str | None, atomic: bool,
                        pragma: str = "omp parallel for") -> None:
     """A scatter of rows (a message per edge and feature): per row, the values and offsets are
     computed in a vector loop into local arrays (the row's index and per-row factors are hoisted
@@ -300,7 +306,6 @@ def _emit_scatter_rows(em: Emitter, plan: LoopPlan, m, para: str | None, atomic:
     last, size = f"x{n - 1}", plan.outer[-1].arg
     buf = m.buffer
     vals, offs = f"vals_{buf.name}", f"offs_{buf.name}"
-    _, pro = _split_members(plan)
 
     def row() -> None:
         em.line(f"{CTYPE[buf.dtype]} {vals}[{size}]; int64_t {offs}[{size}];")
@@ -328,7 +333,7 @@ SCATTER_ROW_MAX = 1024
 SCATTER_BLOCK = 64
 
 
-def _emit_scatter_blocked(em: Emitter, plan: LoopPlan, m) -> None:
+def _emit_scatter_blocked(em: Emitter, plan: LoopPlan, m, pro) -> None:
     """A serial scatter along a long (or symbolic) last loop, in blocks: per block, the values and
     offsets are computed in a vector loop into local arrays, then applied one by one.  In one
     scalar loop with the update, everything fused into the scatter ran scalar: a GAT layer's
@@ -338,7 +343,6 @@ def _emit_scatter_blocked(em: Emitter, plan: LoopPlan, m) -> None:
     last, buf = f"x{n - 1}", m.buffer
     vals, offs = f"vals_{buf.name}", f"offs_{buf.name}"
     size = em.index(plan.outer[-1])
-    _, pro = _split_members(plan)
 
     def block() -> None:
         em.line(f"{CTYPE[buf.dtype]} {vals}[{SCATTER_BLOCK}]; int64_t {offs}[{SCATTER_BLOCK}];")
