@@ -430,3 +430,62 @@ def test_gat_layer_gradients_with_stored_scores(tf):
     e = tf.check_grad(gat_layer, x, src, dst, w, a_s, a_d, allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
     assert len([k for k in e.kernels if not k.graph.endswith("_backward") and "where" in k.nodes]) == 1, \
         [(k.name, k.nodes) for k in e.kernels]
+
+
+def _gathered_gradient_matmuls(g: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # a sequence-parallel linear layer's backward: the all-gathered gradient (ranks stacked on
+    # dim 0) re-concatenated along the sequence, read by the input-gradient matmul and,
+    # transposed, by the weight-gradient matmul (traced first, as autograd does)
+    full = torch.cat(g.split(g.shape[0] // 2), 1)
+    flat = full.view(-1, full.shape[-1])
+    weight_grad = flat.t() @ h
+    return flat @ w, weight_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_read_by_two_matmuls_through_views_is_stored_once(dtype):
+    torch.manual_seed(0)
+    g = torch.randn(4, 7, 13).to(dtype)
+    w, h = torch.randn(13, 5).to(dtype), torch.randn(28, 9).to(dtype)
+    with torch.no_grad():
+        e = torchfuse.explain(_gathered_gradient_matmuls, g, w, h)
+    ref = _gathered_gradient_matmuls(g, w, h)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(e.output[0], ref[0], **tol)
+    torch.testing.assert_close(e.output[1], ref[1], **tol)
+    # one kernel writes the concatenation; both matmuls read views of it (each stored its own
+    # copy before: a second kernel wrote it transposed)
+    assert len(e.kernels) == 1, [(k.name, k.writes) for k in e.kernels]
+    assert sorted(f.op for f in e.fallbacks) == ["aten.mm.default"] * 2, e.fallbacks
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (x.float() * r).to(x.dtype) * w, r
+
+
+def _two_rms_norms_saving_rsqrt(x: torch.Tensor, w: torch.Tensor, m1: torch.Tensor,
+                                m2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # two RMSNorms' forward as the partitioner leaves it: each rsqrt is read by its
+    # normalization and returned (saved for the backward); matmuls read the normalized rows
+    h, r1 = _rms_norm(x, w)
+    x = x + h @ m1
+    h, r2 = _rms_norm(x, w)
+    return x + h @ m2, r1, r2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_returned_value_read_by_a_kernel_is_stored_by_that_kernel(dtype):
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 11, 37).to(dtype), torch.rand(37).to(dtype) + 0.5
+    m1, m2 = (torch.randn(37, 37) / 6).to(dtype), (torch.randn(37, 37) / 6).to(dtype)
+    with torch.no_grad():
+        e = torchfuse.explain(_two_rms_norms_saving_rsqrt, x, w, m1, m2)
+    ref = _two_rms_norms_saving_rsqrt(x, w, m1, m2)
+    tol = dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else {}
+    for got, want in zip(e.output, ref):
+        torch.testing.assert_close(got, want, **tol)
+    # each row-sum kernel writes the rsqrt it computes for its normalization (stored at the
+    # graph's output instead, both were computed again by a kernel of their own after the
+    # last residual add)
+    assert len(e.kernels) == 3, [(k.name, k.writes) for k in e.kernels]

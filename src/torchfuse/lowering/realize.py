@@ -7,6 +7,10 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
   value itself feeds (the next residual add of a transformer block) and would keep its inputs
   alive across that call;
 - it is a window of its input (pooling: each reader would read the input that many times);
+- ATen calls read it through different views (`aten_views_read`): each would store its own
+  copy, in its own layout (the all-gathered, concatenated gradient of a tensor-parallel linear
+  layer, read by the input-gradient matmul and, transposed, by the weight-gradient matmul, was
+  computed and written twice, and the gathered buffer kept alive between the two);
 - inlining it would keep more than MAX_DEFERRED_READS buffers of its size alive across an ATen
   call, buffers nothing else reads later (`defers_dying_reads`: a gradient summed over layers);
 - on the CPU, its readers broadcast a transcendental (`broadcast_recomputes`: rotary embeddings'
@@ -30,7 +34,7 @@ import torch.fx as fx
 
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
 from .registry import LOWERINGS, REDUCTIONS, SCATTERS, is_view
-from .values import ATTENTION_BIAS_ARG, aligned_bias_layout, is_dense, layout_of, meta_val, misaligned, shape_of
+from .values import ATTENTION_BIAS_ARG, CONVOLUTIONS, aligned_bias_layout, is_dense, layout_of, meta_val, misaligned, shape_of
 from ..ir.nodes import EXPENSIVE_OPS, Node, const, cost, unit_move, var
 from ..ir.nodes import loads as _loads, walk as _walk
 
@@ -45,6 +49,8 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
         return True
     if read_only_as_attention_bias(node):
         return False        # the attention lowering stores it, once (`aligned_attention_bias`)
+    if aten_views_read(node) > 1:
+        return True
     body = None
     if len(node.users) > 1 and (window or not readers_converge(node)):
         if window:
@@ -432,6 +438,29 @@ def readers(node: fx.Node) -> list[fx.Node]:
             else:
                 found.append(user)
     return found
+
+
+def aten_views_read(node: fx.Node) -> int:
+    """Through how many different views (the value itself counting as one) ops without a
+    lowering (matmuls, collectives, attention) read the value.  Each call stores the value it
+    is given (`GraphLowering.stored`, once per value): a view of an unstored value is a value of
+    its own, so two calls given two views of it (`x` and `x.t()`) stored it twice, where
+    storing it at its node makes both views of one buffer.  Convolutions and attention calls
+    given a bias are left out: they store what they are given in a layout of their own
+    (channels-last, aligned rows broadcast over heads), once per value."""
+    seen_through: set[fx.Node] = set()
+    stack, seen = [(u, node) for u in node.users], set()
+    while stack:
+        user, parent = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.target in REINDEX:
+            stack.extend((u, user) for u in user.users)
+        elif user.op == "call_function" and user.target not in LOWERINGS and user.target is not operator.getitem \
+                and user.target not in CONVOLUTIONS and user.target not in ATTENTION_BIAS_ARG:
+            seen_through.add(parent)
+    return len(seen_through)
 
 
 # see defers_dying_reads
