@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import torchfuse
+from tests.scheduler.test_collectives import group  # noqa: F401  (a fixture: a gloo world of one)
 
 N, C = 64, 32
 
@@ -464,28 +465,36 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return (x.float() * r).to(x.dtype) * w, r
 
 
-def _two_rms_norms_saving_rsqrt(x: torch.Tensor, w: torch.Tensor, m1: torch.Tensor,
-                                m2: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # two RMSNorms' forward as the partitioner leaves it: each rsqrt is read by its
-    # normalization and returned (saved for the backward); matmuls read the normalized rows
-    h, r1 = _rms_norm(x, w)
-    x = x + h @ m1
-    h, r2 = _rms_norm(x, w)
-    return x + h @ m2, r1, r2
+def _two_rms_norms_saving_rsqrt(x: torch.Tensor, w: torch.Tensor, m: torch.Tensor, group: str) -> tuple[torch.Tensor, ...]:
+    # two tensor-parallel blocks' forward as the partitioner leaves it: each RMSNorm's rsqrt is
+    # read by its normalization and returned (saved for the backward); an MLP reads the
+    # normalized rows, its partial sums are all-reduced and added to the residual
+    c10d = torch.ops._c10d_functional
+    saved = []
+    for _ in range(2):
+        h, r = _rms_norm(x, w)
+        saved.append(r)
+        h = h @ m
+        h = torch.tanh((F.silu(h) * h) @ m)
+        x = x + c10d.wait_tensor(c10d.all_reduce(h @ m, "sum", group))
+    return (x, *saved)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_returned_value_read_by_a_kernel_is_stored_by_that_kernel(dtype):
+def test_returned_value_read_by_a_kernel_is_stored_by_that_kernel(group, dtype):
     torch.manual_seed(0)
     x, w = torch.randn(3, 11, 37).to(dtype), torch.rand(37).to(dtype) + 0.5
-    m1, m2 = (torch.randn(37, 37) / 6).to(dtype), (torch.randn(37, 37) / 6).to(dtype)
+    m = (torch.randn(37, 37) / 6).to(dtype)
     with torch.no_grad():
-        e = torchfuse.explain(_two_rms_norms_saving_rsqrt, x, w, m1, m2)
-    ref = _two_rms_norms_saving_rsqrt(x, w, m1, m2)
+        e = torchfuse.explain(_two_rms_norms_saving_rsqrt, x, w, m, group)
+        ref = _two_rms_norms_saving_rsqrt(x, w, m, group)
     tol = dict(rtol=3e-2, atol=3e-2) if dtype == torch.bfloat16 else {}
     for got, want in zip(e.output, ref):
         torch.testing.assert_close(got, want, **tol)
     # each row-sum kernel writes the rsqrt it computes for its normalization (stored at the
-    # graph's output instead, both were computed again by a kernel of their own after the
-    # last residual add)
-    assert len(e.kernels) == 3, [(k.name, k.writes) for k in e.kernels]
+    # graph's output instead, both were computed again by a kernel of their own at the end,
+    # too far from the row sums to join them): per block a norm, SwiGLU and tanh kernel, the
+    # first residual add in the second norm's kernel, the last one in a kernel of its own
+    assert len(e.kernels) == 7, [(k.name, k.writes) for k in e.kernels]
+    writers = [k.name for k in e.kernels for x in k.writes if "(rsqrt" in x]
+    assert len(writers) == 2 and all(n.startswith("red_") for n in writers), [(k.name, k.writes) for k in e.kernels]

@@ -21,7 +21,7 @@ from ..backends.base import Backend
 from ..config import Config
 from ..ir.buffers import (AliasView, BufferRef, ComputedBuffer, ComputedValue, FallbackCall, Layout, LoweredGraph, StridedValue, TensorValue, Unsupported, contiguous_strides)
 from .cat_slots import CatPlan, plan_cat_slots, slot_layout
-from .registry import LOWERINGS, is_view
+from .registry import LOWERINGS, REDUCTIONS, is_view
 from .values import (ATTENTION_BIAS_ARG, CONVOLUTIONS, channels_last_conv, channels_last_layout, graph_device, is_dense,
                      is_non_overlapping, layout_of, meta_val, shape_of, sym_to_node, sympy_to_node)
 from ..ir.nodes import Node, const, op, var
@@ -305,13 +305,25 @@ class GraphLowering:
             value.meta = meta
         if node in self.cat_slot_of:
             value.slot = self.cat_slot_of[node]     # stored (if at all) into its slice of a cat
-        from .realize import broadcast_only_for_kernels, channels_last_inputs, should_store
-        if all(u.op == "output" for u in node.users) and node.users and not is_view(node):
-            # A value only the graph returns (an activation the forward saves for the backward)
-            # is stored here, in eager's strides, not when the output node is reached: stored
+        from .realize import broadcast_only_for_kernels, channels_last_inputs, full_read_buffers, should_store
+        from .realize import readers as readers_through_views
+        if node in self.output_nodes and not is_view(node) and (
+                all(u.op == "output" for u in node.users) or
+                (full_read_buffers(value.load([var(f"i{k}") for k in range(value.ndim)]), value.shape)
+                 and not any(r.target in REDUCTIONS for r in readers_through_views(node)))):
+            # A value the graph returns (an activation the forward saves for the backward) is
+            # stored here, in eager's strides, not when the output node is reached: stored
             # there, its inputs stayed alive to the end of the graph (T5's pre-activations, one
-            # per layer, +400 MiB at the forward's end).  (A view stays lazy: stored at the
-            # output, it is a view of its base where an ATen call stored that.)
+            # per layer, +400 MiB at the forward's end), and a value kernels read as well was
+            # computed twice, the second time by a kernel of its own at the end (an RMSNorm's
+            # saved rsqrt, [rows], recomputed after the block's last collective instead of
+            # stored by the kernel of its row sums).  (A view stays lazy: stored at the output,
+            # it is a view of its base where an ATen call stored that.  So does a broadcast of
+            # smaller values that kernels read: stored here, it would be alive, larger than
+            # what it reads, from here to the end.  And a value a reduction reads: stored at
+            # the output, it joins the reduction's kernel as a stored prologue, or a pointwise
+            # kernel of its own when the reduction is split (scheduler/split.py); stored here,
+            # the reduction over few long rows was not split.)
             return self.realize(value, layout=_output_layout(meta))
         if not should_store(self, node, value):
             return value
