@@ -142,7 +142,8 @@ def test_gpt2_training_steps_with_new_batch_sizes():
         ref_opt.zero_grad()
         assert value == pytest.approx(ref_loss.item(), rel=1e-5)
         assert [f.reason for f in ctx.flushes] == [ITEM, BACKWARD], ctx.explain()
-        assert all(f.kernels >= 16 for f in ctx.flushes), ctx.explain()   # fused, not run op by op
+        # compiled (0 kernels: eager) and fused, not run op by op (93 and 133 ops: 15 and 29 kernels)
+        assert all(0 < f.kernels <= f.ops // 3 for f in ctx.flushes), ctx.explain()
     assert graphs[0] == 2 and graphs[1:] == [0, 0], graphs      # new batch sizes compile nothing
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
