@@ -174,22 +174,17 @@ def chain(x: torch.Tensor, n: int) -> torch.Tensor:
     return x
 
 
-def test_predicted_ops_still_flush_at_the_size_limit():
-    torch.manual_seed(8)
+@pytest.mark.parametrize("seed, n, option, reason, flushes", [
+    (8, 40, {"max_nodes": 16}, "size limit", 4),      # predicted ops still flush at the size limit
+    (9, 20, {"pipeline_ops": 8}, "pipeline", 3),      # predicted CPU ops are pipelined when asked
+])
+def test_predicted_ops_flush_at_the_limits(seed, n, option, reason, flushes):
+    torch.manual_seed(seed)
     x = torch.randn(4, 4)
     for _ in range(3):
-        out, ctx = lazy_run(chain, x, 40, max_nodes=16)
-        torch.testing.assert_close(out, chain(x, 40))
-        assert [f.reason for f in ctx.flushes].count("size limit") >= 4, ctx.flushes
-
-
-def test_predicted_cpu_ops_are_pipelined_when_asked():
-    torch.manual_seed(9)
-    x = torch.randn(4, 4)
-    for _ in range(3):
-        out, ctx = lazy_run(chain, x, 20, pipeline_ops=8)
-        torch.testing.assert_close(out, chain(x, 20))
-        assert [f.reason for f in ctx.flushes].count("pipeline") >= 3, ctx.flushes
+        out, ctx = lazy_run(chain, x, n, **option)
+        torch.testing.assert_close(out, chain(x, n))
+        assert [f.reason for f in ctx.flushes].count(reason) >= flushes, ctx.flushes
 
 
 def test_the_module_hook_is_installed_only_for_blocks_that_capture_modules():
