@@ -18,6 +18,7 @@ from ...codegen.checks import check_sites, unchecked_index
 from ...codegen.common import ExprEmitter
 from .checks import CHECKS, emit_prechecks
 from .common import CTYPE, STORAGE, _emit_loops, _store_expr
+from .rowcache import RowCache
 
 PRELUDE = r"""
 #include <cmath>
@@ -584,25 +585,33 @@ def _emit_store(em: Emitter, plan: LoopPlan, m, value: str) -> None:
         em.line(f"{m.buffer.name}[{em.index(m.store)}] = {_store_expr(m.buffer.dtype, value)};")
 
 
-def _emit_inner_stage(em: Emitter, plan: LoopPlan, members) -> None:
+def _emit_inner_stage(em: Emitter, plan: LoopPlan, members, rows: RowCache | None = None, k: int = 0) -> None:
+    if rows:
+        rows.reload(em, k)
     for m in members:
         v = em.value(m.body)
         em.bind_local(m.buffer.name, m.store, v)
         _emit_store(em, plan, m, v)
+    if rows:
+        rows.store(em, k)
 
 
 def _emit_outer_body(em: Emitter, plan: LoopPlan, para_inner: str | None) -> None:
     inner_vars = [f"y{j}" for j in range(len(plan.inner))]
-    for stage in plan.stages:
+    rows = RowCache(plan)
+    rows.declare(em)
+    for k, stage in enumerate(plan.stages):
         if stage.kind == "outer":
             _emit_inner_stage(em, plan, stage.members)
         elif stage.kind == "inner":
-            _emit_loops(em, inner_vars, plan.inner, None, lambda s=stage: _emit_inner_stage(em, plan, s.members))
+            _emit_loops(em, inner_vars, plan.inner, None,
+                        lambda s=stage, k=k: _emit_inner_stage(em, plan, s.members, rows, k))
         else:
-            _emit_reduce_stage(em, plan, stage, inner_vars, para_inner)
+            _emit_reduce_stage(em, plan, stage, inner_vars, para_inner, rows, k)
 
 
-def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: list[str], para: str | None) -> None:
+def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: list[str], para: str | None,
+                       rows: RowCache | None = None, k: int = 0) -> None:
     accs = []
     clauses = []
     uses_arg = False
@@ -628,6 +637,8 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
     clause = "" if uses_arg else " " + " ".join(c for c in clauses if c)
 
     def body() -> None:
+        if rows:
+            rows.reload(em, k)
         for m, acc in accs:
             op = m.buffer.reduction_op
             v = em.value(m.body)
@@ -642,6 +653,8 @@ def _emit_reduce_stage(em: Emitter, plan: LoopPlan, stage: Stage, inner_vars: li
                 nan = f" || ({v} != {v})" if m.body.dtype.is_floating_point else ""
                 guard = f"!({acc} != {acc}) && " if m.body.dtype.is_floating_point else ""
                 em.line(f"if ({guard}({v} {cmp} {acc}{nan})) {{ {acc} = {v}; {acc}_i = {flat}; }}")
+        if rows:
+            rows.store(em, k)
 
     if not plan.inner:
         em.push()
