@@ -657,6 +657,18 @@ def test_float32_transcendentals_wide_range(tf):
     tf.check(lambda x, finite: (F.gelu(finite), F.silu(x), F.softplus(x), torch.logsumexp(x[:4001], 0)), x, finite)
 
 
+def test_float32_erf_within_3_ulp(tf):
+    """erf (C++: an odd polynomial below 1, another polynomial in |x| - 2.5 up to 3.919206, then
+    1) within 3 ulp of the fp64 result everywhere, at the switch points and the signs kept."""
+    special = torch.tensor([0.99999994, 1.0, 1.0000001, 2.5, 3.9192059, 3.919206, 3.9192061, 4.0, 6.0, 1e30])
+    x = torch.cat([torch.linspace(-5, 5, 40001), special, -special])
+    e = tf.check(lambda x: torch.erf(x), x, kernels=1)
+    ref = torch.erf(x.double())
+    ulp = (ref.float().abs().nextafter(torch.tensor(2.0)) - ref.float().abs()).double()
+    err = ((e.output.double() - ref).abs() / ulp).max().item()
+    assert err <= 3, err
+
+
 def test_exp_flushes_results_below_float_min_to_zero():
     """A softmax over an attention mask of -100 (Swin's shifted windows): exp's results below
     FLT_MIN are +0, not subnormals, which slow every op that reads them ~100x on x86 (as

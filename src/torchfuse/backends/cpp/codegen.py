@@ -183,6 +183,9 @@ static inline float tf_expm1f(float x) {
   float big = tf_expf(x) - 1.0f;
   return x > -1.0f && x < 1.5f ? small : big;      // (NaN: big, which is NaN)
 }
+// erf: an odd polynomial below 1, a degree-12 one in |x| - 2.5 up to 3.919206 (fit on [1, 4], 1.3
+// ulp), then 1 (where erf rounds to 1); NaN goes through.  Abramowitz-Stegun's division and exp
+// (1 - poly(t) t exp(-x^2), t = 1 / (1 + p|x|)) cost a GELU 1.5x the time, at up to 3 ulp.
 static inline float tf_erff(float x) {
   float a = std::fabs(x);
   float z = x * x;
@@ -191,13 +194,15 @@ static inline float tf_erff(float x) {
   small = small * z - 2.685381193529856E-2f; small = small * z + 1.128358514861418E-1f;
   small = small * z - 3.761262582423300E-1f; small = small * z + 1.128379165726710E0f;
   small = small * x;
-  float t = 1.0f / (1.0f + 0.3275911f * a);
-  float poly = 1.061405429f;
-  poly = poly * t - 1.453152027f; poly = poly * t + 1.421413741f; poly = poly * t - 0.284496736f;
-  poly = poly * t + 0.254829592f;
-  float big = 1.0f - poly * t * tf_expf(-z);
-  big = std::copysign(big, x);
-  return a < 1.0f ? small : (x != x ? x : big);
+  float u = a - 2.5f;
+  float p = -8.70944041e-06f;
+  p = p * u + 2.14060092e-05f; p = p * u + 5.9413811e-05f; p = p * u - 0.000280871929f;
+  p = p * u + 0.000291999429f; p = p * u + 0.000574202684f; p = p * u - 0.00282375421f;
+  p = p * u + 0.00610002549f; p = p * u - 0.0086127799f; p = p * u + 0.00835432485f;
+  p = p * u - 0.00544707011f; p = p * u + 0.00217797933f; p = p * u + 0.999593079f;
+  p = p > 1.0f ? 1.0f : p;
+  p = a > 3.919206f ? 1.0f : p;
+  return a < 1.0f ? small : std::copysign(p, x);
 }
 
 // float32 sin/cos that g++ vectorizes (AVX2 and AVX-512), within 0.53 ulp of the true value
