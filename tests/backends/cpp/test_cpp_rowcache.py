@@ -83,3 +83,15 @@ def test_cheap_values_are_recomputed():
     e, src = _explain(fn, x)
     torch.testing.assert_close(e.output, fn(x))
     assert "tf_row" not in src, src
+
+
+def test_single_row_split_across_threads():
+    # one row: its loops themselves run in parallel (the array is shared, each element written
+    # by one thread and read after the loop's barrier)
+    x = torch.randn(1, 4099) * 3
+    fn = CASES["exp_norm"][0]
+    e = torchfuse.explain(fn, x, options={"parallel_threshold": 1})
+    assert len(e.kernels) == 1, str(e)
+    torch.testing.assert_close(e.output, fn(x))
+    src = e.kernels[0].source
+    assert "tf_row0[" in src and src.count("tf_expf(") == 1 and "omp parallel for" in src, src
