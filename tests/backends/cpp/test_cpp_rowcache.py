@@ -1,6 +1,10 @@
 """A costly per-element value that two loops over a row compute (a softmax's exp, summed by one
 loop and divided by the sum in the next) is computed once per row and read back from a per-row
 array (backends/cpp/rowcache.py); the results match eager."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,3 +99,26 @@ def test_single_row_split_across_threads():
     torch.testing.assert_close(e.output, fn(x))
     src = e.kernels[0].source
     assert "tf_row0[" in src and src.count("tf_expf(") == 1 and "omp parallel for" in src, src
+
+
+_SOURCE_OF_SEVERAL_ROW_ARRAYS = """
+import sys, torch, torchfuse
+def f(x):
+    t = torch.tanh(x)
+    e = (x * 0.5).exp()
+    return torch.softmax(t, -1) * e / e.sum(-1, keepdim=True) + t.sigmoid().amax(-1, keepdim=True) + t.sigmoid()
+e = torchfuse.explain(f, torch.randn(7, 1023))
+sys.stdout.write(e.kernels[0].source)
+"""
+
+
+def test_source_is_the_same_in_every_process(tmp_path):
+    # the arrays are numbered in the order the values appear, not in a set's (hash-seeded) order:
+    # a source that differs between processes would miss the on-disk kernel cache
+    sources = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "TORCHFUSE_CACHE_DIR": str(tmp_path / seed)}
+        out = subprocess.run([sys.executable, "-c", _SOURCE_OF_SEVERAL_ROW_ARRAYS], env=env, capture_output=True,
+                             text=True, check=True)
+        sources.append(out.stdout)
+    assert sources[0].count("tf_row") > 4 and sources[0] == sources[1]

@@ -49,6 +49,7 @@ class RowCache:
         self.sizes = [s.arg for s in plan.inner]
         # per node: does it read the row's element, does it hold a costly op, may it be stored
         inner, costly, ok = set(), set(), set()
+        order: dict[Node, None] = {}       # first appearance: the generated source is deterministic
         stage_nodes: dict[int, set[Node]] = {}
         for k, stage in enumerate(plan.stages):
             if stage.kind not in ("reduce", "inner"):
@@ -57,6 +58,7 @@ class RowCache:
             for m in stage.members:
                 for x in walk(m.body):          # operands before users
                     nodes.add(x)
+                    order.setdefault(x)
                     if (x.op == "var" and x.arg in inner_vars) or any(a in inner for a in x.args):
                         inner.add(x)
                     if x.op in COSTLY_OPS or any(a in costly for a in x.args):
@@ -65,7 +67,7 @@ class RowCache:
                             all(a in ok or a.op in ("const", "var", "sym") for a in x.args):
                         ok.add(x)
         candidates: dict[Node, tuple[int, ...]] = {}
-        for n in inner & costly & ok:
+        for n in (x for x in order if x in inner and x in costly and x in ok):
             stages = tuple(k for k in sorted(stage_nodes) if n in stage_nodes[k])
             if len(stages) >= 2:
                 candidates[n] = stages
