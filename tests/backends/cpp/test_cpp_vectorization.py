@@ -60,6 +60,14 @@ def _rotary_heads_to_rows(x):
 CASES["rotary_heads_to_rows"] = (_rotary_heads_to_rows, 1)
 
 
+# bool tensors next to floats in one loop: a ReLU's output stored with the mask its backward
+# saves, and a mask loaded next to a gradient (threshold_backward, attention masks).  Through a
+# bool* pointer g++ 12 vectorized neither ("no vectype for stmt": 7x slower than eager)
+_MASK = torch.rand(64, 256) > 0.5
+CASES["bool_mask_stored_with_floats"] = (lambda x: (lambda t: (t <= 0, t))(torch.relu(x + 0.25)), 1)
+CASES["bool_mask_loaded_with_floats"] = (lambda x: torch.where(_MASK, 0.0, x * 2 + 1), 1)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_inner_loops_vectorize(name, tmp_path):
     fn, loops = CASES[name]

@@ -16,7 +16,11 @@ CTYPE = {
     torch.int64: "int64_t", torch.int32: "int32_t", torch.int16: "int16_t", torch.int8: "int8_t",
     torch.uint8: "uint8_t", torch.bool: "bool",
 }
-STORAGE = {**CTYPE, torch.float16: "uint16_t", torch.bfloat16: "uint16_t"}
+# bool tensors are stored through uint8_t pointers: g++ 12 does not vectorize a loop that loads
+# or stores through a bool* next to wider types (a ReLU's saved mask stored with its output,
+# threshold_backward's mask loaded with the gradient: "no vectype for stmt", 7x slower); the
+# values are PyTorch's 0 / 1 bytes either way, and a load converts them back to bool
+STORAGE = {**CTYPE, torch.float16: "uint16_t", torch.bfloat16: "uint16_t", torch.bool: "uint8_t"}
 
 
 def _store_expr(buf_dtype: torch.dtype, value: str) -> str:
@@ -24,6 +28,8 @@ def _store_expr(buf_dtype: torch.dtype, value: str) -> str:
         return f"tf_float_to_half(static_cast<float>({value}))"
     if buf_dtype == torch.bfloat16:
         return f"tf_float_to_bf16(static_cast<float>({value}))"
+    if buf_dtype == torch.bool:   # (normalized to 0 / 1 first: a uint8_t cast would keep 2, or drop 0.5)
+        return f"static_cast<uint8_t>(static_cast<bool>({value}))"
     return f"static_cast<{STORAGE[buf_dtype]}>({value})"
 
 
