@@ -14,10 +14,14 @@ A library that is not installed drops its rows (`missing()` says which and why).
 torch, PyPI's torchvision and torchaudio wheels are CUDA builds whose C++ ops do not load;
 `import_torchvision` / `import_torchaudio` then register what their Python code needs so that
 the model code (which never calls those ops, detection's NMS aside) imports and runs.
+torch_geometric is only looked up here, and imported when a graph model is built: importing it
+patches torch.index_select for the whole process (tests/models/test_library_zoo.py runs its
+models in a child process).
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import sys
 import types
 from typing import Any, Callable
@@ -414,9 +418,20 @@ for _name, (_family, _build) in hf.BUILDERS.items():
                             lm_loss if _family == "decoder" else class_loss)
 
 LIBRARY_FAMILIES = tuple(dict.fromkeys(family for _, family, *_ in _ROWS.values()))
+
+
+def _find_torch_geometric() -> None:
+    """Only looks torch_geometric up (gnn_builder imports it): importing it replaces
+    torch.index_select with a Python wrapper for the whole process (torch_geometric/hash_tensor.py),
+    which rejects 0-d inputs and which AOTAutograd's cache refuses, so importing this module (as
+    the tests do when they are collected) must not change what every other program runs."""
+    if importlib.util.find_spec("torch_geometric") is None:
+        raise ModuleNotFoundError("No module named 'torch_geometric'")
+
+
 _IMPORTS: dict[str, Callable[[], Any]] = {
     "timm": _timm, "torchvision": import_torchvision, "torchaudio": import_torchaudio,
-    "transformers": hf._transformers, "torch_geometric": lambda: __import__("torch_geometric.nn"),
+    "transformers": hf._transformers, "torch_geometric": _find_torch_geometric,
 }
 
 

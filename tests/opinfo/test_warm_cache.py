@@ -23,17 +23,19 @@ def fresh_cache(tmp_path, monkeypatch):
     yield
 
 
-# index_select: torch_geometric (imported when tests/models/test_library_zoo.py is collected)
-# replaces torch.index_select with a Python wrapper, which the OpInfo database then holds: it
-# rejects 0-d inputs in eager ("Dimension out of range ... [0, -1]"), so the op keeps one sample,
-# and AOTAutograd's cache refuses graphs that call it, so that sample compiles again warm.  The
-# op passes where torch_geometric is not imported.
-LEAK_SENSITIVE = {"index_select"}
+def test_torch_functions_are_torchs_own():
+    """The OpInfo database holds what torch's namespaces hold when it is imported: a library that
+    replaces a torch function when imported (torch_geometric wraps torch.index_select and
+    torch.select) must not be imported by this process, as tests/models/test_library_zoo.py
+    ensures, or the sweeps below would test its wrapper instead of torch's op."""
+    own = ("torch", "builtins", "typing", "collections", "typing_extensions")
+    foreign = [f"{ns.__name__}.{n}: {f.__module__}" for ns in (torch, torch.nn.functional, torch.Tensor)
+               for n in dir(ns) if callable(f := getattr(ns, n, None))
+               and isinstance(getattr(f, "__module__", None), str) and f.__module__.split(".")[0] not in own]
+    assert not foreign, foreign
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    reason="leaked eager state from earlier tests (see LEAK_SENSITIVE)", strict=False))
-    if n in LEAK_SENSITIVE else n for n in WARM_OPS])
+@pytest.mark.parametrize("name", WARM_OPS)
 def test_opinfo_warm_cache(name, fresh_cache):
     for op in opinfo_sweep.select_ops([name]):
         r = opinfo_sweep.run_op(op, torch.float32, "cpu", max_samples=2, warm=True)
