@@ -43,7 +43,7 @@ def emit_scatter_kernel(em: Emitter, plan: LoopPlan, total: str, parallel_thresh
     em.line("}")
 
 
-# tf_max / tf_min (codegen.PRELUDE) as selects, without branches, for the scalar read-modify-write
+# tf_max / tf_min (prelude.PRELUDE) as selects, without branches, for the scalar read-modify-write
 # of a scatter: there the new value wins about a third of the time at random (a GAT's amax over
 # each node's incoming edges), and the mispredicted branches made the update loop 2.3x slower
 SCATTER_PRELUDE = r"""
