@@ -62,6 +62,10 @@ class ExprEmitter:
         self.scopes.pop()
         self.locals.pop()
 
+    def bind(self, n: Node, name: str) -> None:
+        """`n`'s value is `name` in the current scope: `value(n)` returns it until the scope is popped."""
+        self.scopes[-1][n] = name
+
     def bind_local(self, buffer: str, index: Node, name: str) -> None:
         self.locals[-1][(buffer, index)] = name
 

@@ -102,7 +102,7 @@ class RowCache:
         """At the top of a later loop's body: the values it reads back, bound for the body's CSE."""
         for n, users in self.users.items():
             if stage in users:
-                em.scopes[-1][n] = em.tmp(f"{self.arrays[n]}[{self._flat()}]", n.dtype)
+                em.bind(n, em.tmp(f"{self.arrays[n]}[{self._flat()}]", n.dtype))
 
     def store(self, em: "Emitter", stage: int) -> None:
         """At the end of the first loop's body: the values it computed."""

@@ -275,7 +275,7 @@ def _emit_scatter_contiguous_staged(em: Emitter, plan: LoopPlan, m, cond: Node |
         em.push()
         em.line(f"const int64_t {rowv} = tf_blk + tf_j;")     # the row's offsets (index math) are not staged
         for name, inv in zip(names, invs):
-            em.scopes[-1][inv] = f"{name}[tf_j]"     # the row loop reads the staged factor
+            em.bind(inv, f"{name}[tf_j]")     # the row loop reads the staged factor
         em.line("#pragma omp simd")
         em.line(f"for (int64_t {last} = 0; {last} < {em.index(plan.outer[-1])}; ++{last}) {{")
         em.push()
