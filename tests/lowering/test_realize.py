@@ -498,3 +498,38 @@ def test_returned_value_read_by_a_kernel_is_stored_by_that_kernel(group, dtype):
     assert len(e.kernels) == 7, [(k.name, k.writes) for k in e.kernels]
     writers = [k.name for k in e.kernels for x in k.writes if "(rsqrt" in x]
     assert len(writers) == 2 and all(n.startswith("red_") for n in writers), [(k.name, k.writes) for k in e.kernels]
+
+
+def _pyg_attention(a, b, x, edge_index):
+    """torch_geometric's GAT aggregation as its graph has it: self loops appended to the edge
+    index, per-edge scores over heads, the destination index expanded to [edges, heads] for each
+    scatter (`broadcast` in its `utils/_scatter.py`), a segment softmax (scatter amax without
+    self, scatter sum) and the weighted messages' scatter sum."""
+    loops = torch.arange(a.shape[0]).view(1, -1).repeat(2, 1)
+    full = torch.cat([edge_index, loops], dim=1)
+    src, dst = full[0], full[1]
+    e = F.leaky_relu(a.index_select(0, src) + b.index_select(0, dst), 0.2)
+    idx = dst.view(-1, 1).expand_as(e)
+    m = e.new_zeros(a.shape).scatter_reduce_(0, idx, e.detach(), "amax", include_self=False)
+    p = (e - m.index_select(0, dst)).exp()
+    s = p.new_zeros(a.shape).scatter_add_(0, idx, p) + 1e-16
+    msg = (p / s.index_select(0, dst)).unsqueeze(-1) * x.index_select(0, src)
+    return x.new_zeros(x.shape).scatter_add_(0, dst.view(-1, 1, 1).expand_as(msg), msg)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_expanded_scatter_index_is_not_stored(tf, backend):
+    """The index expanded over heads (a select of the concatenated edge index: 5 ops an element)
+    is recomputed by each scatter from the [edges] index, not stored at [edges, heads] (int64:
+    8 bytes an element, written once and read by two scatters); the amax's pass marking the
+    destinations it touches (include_self=False) joins the loop that stores the scores."""
+    torch.manual_seed(0)
+    nodes, edges, heads = 31, 257, 3
+    a, b, x = tf.rand((nodes, heads)), tf.rand((nodes, heads)), tf.rand((nodes, heads, 5))
+    edge_index = torch.stack([torch.randint(0, nodes, (edges,)), torch.randint(0, nodes // 2, (edges,))])
+    options = {"cpu_backend": "triton"} if backend == "triton" else {}
+    e = tf.check(_pyg_attention, a, b, x, edge_index, options=options, atol=1e-5, rtol=1e-4)
+    assert not any("expand" in r for r in e.refused_fusions), e.refused_fusions
+    scores = [k for k in e.kernels if any("(where)" in w for w in k.writes)]
+    assert len(scores) == 1 and any("(scatter_reduce)" in w for w in scores[0].writes), \
+        [(k.name, k.writes) for k in e.kernels]

@@ -16,7 +16,8 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
 - on the CPU, its readers broadcast a transcendental (`broadcast_recomputes`: rotary embeddings'
   sin and cos tables, read by every batch and head);
 - several scatters would each compute it, in kernels of their own, at a higher cost than
-  storing it (`scatter_recomputes`: a GAT layer's edge scores).
+  storing it (`scatter_recomputes`: a GAT layer's edge scores; never an index expanded over
+  heads, which each scatter reads at its smaller size).
 Where it is stored: channels-last when computed from channels-last buffers only
 (`channels_last_inputs`); row-major when computed from smaller inputs only and read by kernels
 only (`broadcast_only_for_kernels`); an attention bias with aligned strides, once per broadcast mask
@@ -127,7 +128,7 @@ def scatter_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> str:
     only from BROADCAST_RECOMPUTE_MIN elements on."""
     scatters, other, direct = _scatter_readers(node)
     k = len(scatters) + int(other)
-    if not scatters or k < 2:
+    if not scatters or k < 2 or _broadcasts_smaller(node):
         return ""
     gathers = sum(1 for ld in _loads(body) if any(x.op == "load" for x in _walk(ld.args[0])))
     per_eval = cost(body) + gathers
@@ -139,6 +140,18 @@ def scatter_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> str:
     return (f"{k} kernels read it, {len(scatters)} of them scatters ({', '.join(u.name for u in scatters)}), "
             f"and each would compute it (cost {per_eval} an element, {k * per_eval} in all, where storing "
             f"costs {per_eval + k + 1})")
+
+
+def _broadcasts_smaller(node: fx.Node) -> bool:
+    """Is `node` an `expand` of a smaller tensor?  Stored, it is written and read at its full
+    size; inlined, each reader loads the smaller tensor, which stays in cache across the
+    broadcast dims.  torch_geometric's scatters expand an edge index [E] to [E, heads] for every
+    scatter: stored, GAT wrote and read an int64 [E, heads] per layer (8 bytes an element)
+    where the index it repeats is E elements."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.expand.default:
+        return False
+    out, src = meta_val(node), meta_val(node.args[0])
+    return isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.numel() > src.numel()
 
 
 def _scatter_readers(node: fx.Node, depth: int = 8) -> tuple[list[fx.Node], bool, bool]:

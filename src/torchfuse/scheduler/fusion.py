@@ -376,9 +376,11 @@ def _scatter_prologue(kernel: Kernel, step: ComputedBuffer) -> tuple[Member | No
     loop that updates it, nor may the loop write or read the buffer it updates."""
     written = {m.buffer.name for m in kernel.members}
     reads = [ld for ld in loads(step.body) + loads(step.store_index()) if ld.arg in written]
-    if not reads or kernel.scatter is not None:      # (a scatter's output is complete after its loop)
+    if kernel.scatter is not None:      # (a scatter's output is complete after its loop)
         return None, ""
     if kernel.kind != "pointwise" or kernel.inner or kernel.outer != squeeze(step.ranges):
+        if not reads:
+            return None, ""
         return None, (f"a scatter takes as its prologue only a pointwise kernel over its own domain "
                       f"[{_fmt(squeeze(step.ranges))}], not [{_fmt(kernel.outer + kernel.inner)}]")
     if step.into in written or any(ld.arg == step.into for m in kernel.members for ld in loads(m.body)):
