@@ -43,6 +43,12 @@ class Features:
     scatter_wide_sums: bool = False
     """A scatter-sum of fp16/bf16 values accumulates into an fp32 buffer that is rounded once
     (lowering/scatter.py), where the kernels could otherwise round every add to 16 bits."""
+    half_atomic_add: frozenset = frozenset()
+    """The 16-bit dtypes (fp16, bf16) its scatter-sums can add atomically in the value's own
+    dtype, straight into the output.  Used, instead of the wide sum, only by the ops whose eager
+    kernel on this device rounds every add to 16 bits too (CUDA's atomic scatter_add, index_add,
+    scatter_reduce sum): no fp32 buffer, no conversion pass, half the atomic traffic.  Sums that
+    eager accumulates in fp32 (embedding backward, accumulating index_put) stay wide."""
     deterministic_scatters: bool = False
     """Its float scatter-sums and products add in an order fixed by the sizes and the thread
     count alone (no atomics), when the buffer asks (`ComputedBuffer.deterministic`): they are

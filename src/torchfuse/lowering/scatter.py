@@ -20,7 +20,11 @@ take the write, and an input written in place must keep its rows).  Sums in floa
 compile time holds for every call of the compiled graph) accumulating float scatters run in ATen,
 unless the backend's scatters can add in a fixed order (Features.deterministic_scatters: the
 buffer is marked `deterministic`).  A 16-bit sum accumulates in an fp32 buffer where the backend
-says so (Features.scatter_wide_sums), rounded once by its readers.
+says so (Features.scatter_wide_sums), rounded once by its readers, except for the ops whose eager
+kernel rounds every add to 16 bits itself (`rounds`: CUDA's scatter_add, index_add and
+scatter_reduce sum add with atomics in the value's dtype), which add in 16 bits straight into
+their output where the backend's atomics can (Features.half_atomic_add).  CUDA's embedding
+backward and accumulating index_put sum in fp32 (sort-based): those stay wide.
 
 In place: when the scatter's `self` is a graph input that the graph then overwrites with the
 result (AOTAutograd's `copy_` epilogue of a mutated input: a static KV cache's
@@ -60,14 +64,14 @@ def in_bounds(i: Node, size: Node) -> Node:
     return op("and", op("ge", i, const(0), dtype=torch.bool), op("lt", i, size, dtype=torch.bool), dtype=torch.bool)
 
 
-def _check_mode(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
+def _check_mode(lw: GraphLowering, mode: str, dtype: torch.dtype, rounds: bool = False) -> bool:
     """Raises Unsupported where the backend cannot run the scatter; returns whether its adds
     must come in a fixed order (a float sum or product under deterministic algorithms)."""
     if mode == "store":
         return False
     features = lw.backend.features if lw.backend is not None else None
     modes = features.scatter_dtypes if features is not None else {}
-    if dtype not in modes.get(mode, ()):
+    if dtype not in modes.get(mode, ()) and not half_sum(lw, mode, dtype, rounds):
         raise Unsupported(f"no atomic {mode} of {dtype} in this backend")
     if mode in ("sum", "prod") and dtype.is_floating_point and torch.are_deterministic_algorithms_enabled():
         if not (features is not None and features.deterministic_scatters):
@@ -79,11 +83,21 @@ def _check_mode(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def wide_sum(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
+def half_sum(lw: GraphLowering, mode: str, dtype: torch.dtype, rounds: bool) -> bool:
+    """A 16-bit sum added atomically in its own dtype: the op's eager kernel rounds every add
+    too (`rounds`) and the backend's atomics take the dtype (Features.half_atomic_add).  The
+    error is then of eager's own kind, and the sum needs no fp32 buffer, no conversion pass
+    and half the atomic traffic (bf16 GNN inference on an H200: Inductor's adds are 16-bit)."""
+    return rounds and mode == "sum" and dtype in _HALF and lw.backend is not None and \
+        dtype in lw.backend.features.half_atomic_add
+
+
+def wide_sum(lw: GraphLowering, mode: str, dtype: torch.dtype, rounds: bool = False) -> bool:
     """A 16-bit sum the backend accumulates in fp32 (Features.scatter_wide_sums): rounding every
     add to bf16 gave a GCN layer's index_add 2.7x eager's error against fp64; one rounding at
-    the end is below eager's."""
-    return mode == "sum" and dtype in _HALF and lw.backend is not None and lw.backend.features.scatter_wide_sums
+    the end is below eager's.  Not where `half_sum` adds in 16 bits."""
+    return mode == "sum" and dtype in _HALF and lw.backend is not None and \
+        lw.backend.features.scatter_wide_sums and not half_sum(lw, mode, dtype, rounds)
 
 
 def _wide_extremum(lw: GraphLowering, mode: str, dtype: torch.dtype) -> bool:
@@ -130,15 +144,16 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
                  target: Callable[[list[Node]], tuple[list[Node], list[tuple[Node, Node]]]],
                  value: Callable[[list[Node]], Node], mode: str, *, dtype: torch.dtype | None = None,
                  in_place: bool = True, skip: Callable[[list[Node]], Node] | None = None,
-                 wide: bool = False) -> TensorValue:
+                 wide: bool = False, rounds: bool = False) -> TensorValue:
     """Initialise the output (a copy of `base`, or `fill` everywhere), then for every point `i`
     of `domain` update it at `target(i)` with `value(i)` (`mode`: "store", "sum", "prod", "amax",
     "amin").  `target` returns the output index and the (index, size) pairs that must be checked
     to be in range; `skip(i)`, if given, is true where nothing is written (a padding index).
     A 16-bit sum the backend widens (`wide_sum`) accumulates in an fp32 buffer, returned as is
-    with `wide`, else as its value rounded to `dtype` (fused into the readers)."""
+    with `wide`, else as its value rounded to `dtype` (fused into the readers); `rounds`: the
+    op's eager kernel rounds every add to `dtype` (`half_sum`)."""
     dtype = dtype or lw.out_dtype()
-    if wide_sum(lw, mode, dtype) or _wide_extremum(lw, mode, dtype):
+    if wide_sum(lw, mode, dtype, rounds) or _wide_extremum(lw, mode, dtype):
         acc = scatter_into(lw, base, fill, domain, target, lambda idx: cast(value(idx), torch.float32), mode,
                            dtype=torch.float32, in_place=False, skip=skip)
         if wide:
@@ -146,7 +161,7 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
         out = ComputedValue(lw.out_shape(), dtype, lambda idx: cast(acc.load(list(idx)), dtype))
         out.meta, out.origins = lw.out_meta(), [lw.current.name]
         return out
-    deterministic = _check_mode(lw, mode, dtype)
+    deterministic = _check_mode(lw, mode, dtype, rounds)
     out_shape = lw.out_shape()
     into = _input_in_place(lw, base) if in_place and base is not None else None
     if into is not None:
@@ -201,7 +216,7 @@ def _along(dim: int, size: Node, index: TensorValue, by_dim: bool):
     return target
 
 
-def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True, wide=False):
+def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True, wide=False, rounds=False):
     if x.ndim == 0 or index.ndim != x.ndim:
         raise Unsupported("scatter of a 0-d tensor or with an index of other rank")
     dim = _norm(dim, x.ndim)
@@ -214,12 +229,14 @@ def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True, wide=Fal
             info = torch.iinfo(dtype)
             ident = info.min if mode == "amax" else info.max
         x = scatter_into(lw, x, None, index.shape, target, lambda idx: const(ident, dtype), "store", in_place=False)
-    return scatter_into(lw, x, None, index.shape, target, src_load, mode, wide=wide)
+    return scatter_into(lw, x, None, index.shape, target, src_load, mode, wide=wide, rounds=rounds)
 
 
 @register(aten.scatter_add.default)
 def _scatter_add(lw, x, dim, index, src):
-    return _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), "sum")
+    # (CUDA's scatter_add, scatter.reduce and scatter_reduce sum: atomics in the value's dtype,
+    # ScatterGatherKernel.cu's ReduceAdd)
+    return _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), "sum", rounds=True)
 
 
 @register(aten.scatter.src)
@@ -243,13 +260,13 @@ _REDUCE_ARG = {"add": "sum", "multiply": "prod", "sum": "sum", "prod": "prod", "
 
 @register(aten.scatter.reduce)
 def _scatter_reduce_src(lw, x, dim, index, src, *, reduce):
-    return _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), _REDUCE_ARG[reduce])
+    return _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), _REDUCE_ARG[reduce], rounds=True)
 
 
 @register(aten.scatter.value_reduce)
 def _scatter_reduce_value(lw, x, dim, index, value, *, reduce):
     fill = cast(value, x.dtype) if isinstance(value, Node) else const(value, x.dtype)
-    return _scatter_like(lw, x, dim, index, lambda idx: fill, _REDUCE_ARG[reduce])
+    return _scatter_like(lw, x, dim, index, lambda idx: fill, _REDUCE_ARG[reduce], rounds=True)
 
 
 @register(aten.scatter_reduce.two)
@@ -258,7 +275,8 @@ def _scatter_reduce(lw, x, dim, index, src, reduce, *, include_self=True):
         return _scatter_mean(lw, x, dim, index, src, include_self)
     if reduce not in _REDUCE_ARG:
         raise Unsupported(f"scatter_reduce {reduce}")
-    return _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), _REDUCE_ARG[reduce], include_self)
+    return _scatter_like(lw, x, dim, index, lambda idx: src.load(list(idx)), _REDUCE_ARG[reduce], include_self,
+                         rounds=True)
 
 
 def _scatter_mean(lw, x, dim, index, src, include_self):
@@ -327,7 +345,7 @@ def _index_put(lw, x, indices, values, accumulate=False):
                         "sum" if accumulate else "store")
 
 
-def _index_dim(lw, x, dim, index, source, mode, scale=None):
+def _index_dim(lw, x, dim, index, source, mode, scale=None, rounds=False):
     if x.ndim == 0 or index.ndim > 1:
         raise Unsupported("index_add/index_copy of a 0-d tensor")
     dim = _norm(dim, x.ndim)
@@ -338,14 +356,15 @@ def _index_dim(lw, x, dim, index, source, mode, scale=None):
     def value(idx):
         v = source.load(list(idx))
         return v if scale is None else op("mul", cast(v, x.dtype), scale, dtype=x.dtype)
-    return scatter_into(lw, x, None, source.shape, target, value, mode)
+    return scatter_into(lw, x, None, source.shape, target, value, mode, rounds=rounds)
 
 
 @register(aten.index_add.default)
 def _index_add(lw, x, dim, index, source, *, alpha=1):
     scale = None if (not isinstance(alpha, Node) and alpha == 1) else \
         (cast(alpha, lw.out_dtype()) if isinstance(alpha, Node) else const(alpha, lw.out_dtype()))
-    return _index_dim(lw, x, dim, index, source, "sum", scale)
+    # (CUDA's index_add: gpuAtomicAdd in the value's dtype)
+    return _index_dim(lw, x, dim, index, source, "sum", scale, rounds=True)
 
 
 @register(aten.index_copy.default)

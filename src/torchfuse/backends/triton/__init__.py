@@ -4,6 +4,7 @@ launch), compiled ahead of the first call in worker processes (precompile.py, co
 CPU tensors run under Triton's interpreter (`cpu_backend="triton"`)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import Future
 from typing import Any, Callable
@@ -32,14 +33,32 @@ def gpu_split_params(sms: int, min_chunk: int = 0) -> SplitParams:
                             column_tile=COLUMN_XBLOCK, column_fewest=4, min_chunk=min_chunk)
 
 
+class _WithDeviceAtomics:
+    """TritonBackend.features: the class's Features (what a test patches on the class), read
+    through an instance with its device's 16-bit atomic adds (`half_atomic_adds`), which only
+    an instance knows."""
+
+    def __init__(self, base: Features) -> None:
+        self.base = base
+
+    def __get__(self, obj: Any, cls: Any = None) -> Features:
+        if obj is None:
+            return self.base
+        made = obj.__dict__.get("_device_features")
+        if made is None:
+            made = obj.__dict__["_device_features"] = dataclasses.replace(
+                self.base, half_atomic_add=half_atomic_adds(obj.device_type))
+        return made
+
+
 class TritonBackend(Backend):
     name = "triton"
     title = "Triton"
     # embedding bags stay in ATen's kernels, as under Inductor: the gather-scatter decomposition
     # measured 1.01x ATen's in inference and 0.87x in a training step on an H100 (8 tables of
     # 100k x 64, 2048 bags of 20; benchmarks/probes/embbag_features.py)
-    features = Features(reductions_in_place=True, scatter_dtypes=codegen.SCATTER_DTYPES,
-                        scatter_wide_sums=True, embedding_bag_kernels=False)
+    features = _WithDeviceAtomics(Features(reductions_in_place=True, scatter_dtypes=codegen.SCATTER_DTYPES,
+                                           scatter_wide_sums=True, embedding_bag_kernels=False))
     variant_suffixes = ("", "_persistent", "_looped", "_tiled")
 
     def split_params(self, num_threads: int, min_chunk: int = 0) -> SplitParams:
@@ -146,6 +165,20 @@ class TritonBackend(Backend):
     def environment(self) -> dict[str, str]:
         # Triton runs CPU tensors only under its interpreter, read when Triton is imported
         return {"TRITON_INTERPRET": "1"} if self.device_type == "cpu" else {}
+
+
+def half_atomic_adds(device_type: str) -> frozenset:
+    """The 16-bit dtypes whose `tl.atomic_add` works on this device (Features.half_atomic_add):
+    on CUDA, fp16 from sm_70 and bf16 from sm_90 (the PTX `atom.add.noftz` forms Triton emits;
+    Inductor takes bf16 atomics from sm_90 too); Triton's interpreter (CPU tensors) adds fp16 but
+    raises "Unsupported data type" for bf16.  ROCm and a CUDA graph traced without a GPU keep
+    the wide sums."""
+    if device_type == "cpu":
+        return frozenset({torch.float16})
+    if device_type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
+        return frozenset()
+    cap = torch.cuda.get_device_capability()
+    return frozenset(([torch.float16] if cap >= (7, 0) else []) + ([torch.bfloat16] if cap >= (9, 0) else []))
 
 
 def _needs_64bit_expr(program: Any, bufs: list[str], plan: LoopPlan) -> str:

@@ -275,7 +275,10 @@ SCATTER_ATOMICS = {"sum": "tl.atomic_add", "amax": "tl.atomic_max", "amin": "tl.
 _ATOMIC_INTS = frozenset({torch.int32, torch.int64})
 # fp16 and bf16 sums accumulate in an fp32 buffer (Features.scatter_wide_sums): an atomic add
 # would round each update to 16 bits, where CUDA's embedding backward and accumulating index_put
-# sum in fp32 (5x eager's error measured on an H100 for an embedding gradient of 20 rows a token)
+# sum in fp32 (5x eager's error measured on an H100 for an embedding gradient of 20 rows a token).
+# The ops whose CUDA kernels add atomically in 16 bits themselves (scatter_add, index_add,
+# scatter_reduce sum) add in 16 bits here too where the device can (Features.half_atomic_add,
+# __init__.half_atomic_adds)
 SCATTER_DTYPES = {"sum": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS,
                   "amax": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS,
                   "amin": frozenset({torch.float32, torch.float64}) | _ATOMIC_INTS}
