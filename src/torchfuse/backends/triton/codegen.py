@@ -269,8 +269,8 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> N
 
 
 # Triton's atomic read-modify-writes by scatter mode (plain tl.store for "store"), and the
-# dtypes each takes: no atomic multiply, no max/min of fp16/bf16, and a bf16 add only on some
-# GPUs (Triton's interpreter has none), so bf16 sums run in ATen
+# dtypes each takes: no atomic multiply, no max/min of fp16/bf16 (those run in fp32 kernels),
+# and a 16-bit add only where the device has one (Features.half_atomic_add)
 SCATTER_ATOMICS = {"sum": "tl.atomic_add", "amax": "tl.atomic_max", "amin": "tl.atomic_min"}
 _ATOMIC_INTS = frozenset({torch.int32, torch.int64})
 # fp16 and bf16 sums accumulate in an fp32 buffer (Features.scatter_wide_sums): an atomic add
