@@ -144,14 +144,15 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
                  target: Callable[[list[Node]], tuple[list[Node], list[tuple[Node, Node]]]],
                  value: Callable[[list[Node]], Node], mode: str, *, dtype: torch.dtype | None = None,
                  in_place: bool = True, skip: Callable[[list[Node]], Node] | None = None,
-                 wide: bool = False, rounds: bool = False) -> TensorValue:
+                 wide: bool = False, rounds: bool = False, owned: bool = False) -> TensorValue:
     """Initialise the output (a copy of `base`, or `fill` everywhere), then for every point `i`
     of `domain` update it at `target(i)` with `value(i)` (`mode`: "store", "sum", "prod", "amax",
     "amin").  `target` returns the output index and the (index, size) pairs that must be checked
     to be in range; `skip(i)`, if given, is true where nothing is written (a padding index).
     A 16-bit sum the backend widens (`wide_sum`) accumulates in an fp32 buffer, returned as is
     with `wide`, else as its value rounded to `dtype` (fused into the readers); `rounds`: the
-    op's eager kernel rounds every add to `dtype` (`half_sum`)."""
+    op's eager kernel rounds every add to `dtype` (`half_sum`); `owned`: `base` is a buffer this
+    op made and nothing else reads (include_self=False's marked copy), updated where it is."""
     dtype = dtype or lw.out_dtype()
     if wide_sum(lw, mode, dtype, rounds) or _wide_extremum(lw, mode, dtype):
         acc = scatter_into(lw, base, fill, domain, target, lambda idx: cast(value(idx), torch.float32), mode,
@@ -164,7 +165,9 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
     deterministic = _check_mode(lw, mode, dtype, rounds)
     out_shape = lw.out_shape()
     into = _input_in_place(lw, base) if in_place and base is not None else None
-    if into is not None:
+    if owned and isinstance(base, StridedValue) and base.dtype == dtype:
+        into, layout = base.buffer, base.layout
+    elif into is not None:
         layout = base.layout
     else:
         if base is not None:
@@ -229,6 +232,8 @@ def _scatter_like(lw, x, dim, index, src_load, mode, include_self=True, wide=Fal
             info = torch.iinfo(dtype)
             ident = info.min if mode == "amax" else info.max
         x = scatter_into(lw, x, None, index.shape, target, lambda idx: const(ident, dtype), "store", in_place=False)
+        # (the marked copy is this op's own: the reduction updates it, no second copy)
+        return scatter_into(lw, x, None, index.shape, target, src_load, mode, wide=wide, rounds=rounds, owned=True)
     return scatter_into(lw, x, None, index.shape, target, src_load, mode, wide=wide, rounds=rounds)
 
 
