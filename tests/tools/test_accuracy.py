@@ -1,13 +1,14 @@
 """torchfuse.tools.accuracy: the judge of compiled results against a higher-precision reference."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 
 import torchfuse
-from torchfuse.tools.accuracy import judge, judge_all, reference_dtype, rmse, to_reference
+from torchfuse.tools.accuracy import judge, judge_all, nudge, reference_dtype, rmse, to_reference
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -120,3 +121,109 @@ def test_torchfuse_softmax_layer_norm_chain_within_eagers_error(dtype: torch.dty
     assert torchfuse.counters["kernels_generated"] > before
     v = judge(out, f(x, w), ref)
     assert v.ok, str(v)
+
+
+def test_nudged_error_raises_the_bound_with_the_same_floors() -> None:
+    ref = _randn(300, seed=9).double()
+    eager = (ref + 1e-6 * _randn(300, seed=10)).float()
+    ours = (ref + 2.5e-6 * _randn(300, seed=11)).float()
+    assert not judge(ours, eager, ref).ok
+    assert not judge(ours, eager, ref, nudged_error=0.5 * rmse(eager, ref)).ok   # below eager's: no change
+    v = judge(ours, eager, ref, nudged_error=2 * rmse(eager, ref))
+    assert v.ok and v.bound > 2.9 * v.eager_error, str(v)
+    assert not judge(ours * 1.01, eager, ref, nudged_error=2 * rmse(eager, ref)).ok
+    # judge_all passes them on per tensor, and keeps the shared floor of a vanishing gradient
+    big = _randn(64, 64)
+    zero_ref, eager_zero, ours_zero = torch.zeros(64, dtype=torch.float64), 1e-8 * _randn(64, seed=7), \
+        3e-8 * _randn(64, seed=8)
+    grads, eagers, refs = [ours, big.clone(), ours_zero], [eager, big, eager_zero], [ref, big.double(), zero_ref]
+    assert not judge_all(grads, eagers, refs, shared_scale=True, nudged_errors=[0.0] * 3).ok
+    v = judge_all(grads, eagers, refs, shared_scale=True, nudged_errors=[2 * rmse(eager, ref), 0.0, 0.0])
+    assert v.ok, str(v)
+
+
+class _RMSNorm(torch.nn.Module):
+    """T5's layer norm (variance in fp32, no mean, no bias); `defect` computes it wrongly."""
+
+    def __init__(self, dim: int, defect: str = "") -> None:
+        super().__init__()
+        self.weight, self.defect = torch.nn.Parameter(torch.rand(dim) + 0.5), defect
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        y = h * torch.rsqrt(variance + (1e-5 if self.defect == "epsilon" else 1e-6))
+        if self.defect == "bf16":
+            y = y.bfloat16().to(h.dtype)
+        return self.weight * y
+
+
+class _TokenNet(torch.nn.Module):
+    """Token ids in (no floating-point input), T5-like blocks: RMS norm, ReLU feed-forward."""
+
+    def __init__(self, vocab: int = 97, dim: int = 48, ffn: int = 130, layers: int = 3) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.norms = torch.nn.ModuleList(_RMSNorm(dim) for _ in range(layers + 1))
+        self.wi = torch.nn.ModuleList(torch.nn.Linear(dim, ffn, bias=False) for _ in range(layers))
+        self.wo = torch.nn.ModuleList(torch.nn.Linear(ffn, dim, bias=False) for _ in range(layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for norm, wi, wo in zip(self.norms, self.wi, self.wo):
+            h = h + wo(torch.relu(wi(norm(h))))
+        return self.norms[-1](h)
+
+
+def _grads(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    model = copy.deepcopy(model)
+    out = model(ids).flatten(0, -2)
+    torch.nn.functional.cross_entropy(out, torch.arange(out.shape[0]) * 7 % out.shape[1]).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _token_net() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return _TokenNet(), torch.randint(0, 97, (3, 29), generator=torch.Generator().manual_seed(1))
+
+
+def test_nudge_moves_the_weights_of_a_token_model() -> None:
+    """Token ids are not floating-point: moving the inputs alone repeated eager's own error
+    exactly, and the judge's second chance (zoo.py) estimated nothing.  The weights move by
+    rounding, the original stays, integer and floating inputs are treated apart."""
+    model, ids = _token_net()
+    before = [p.detach().clone() for p in model.parameters()]
+    x = _randn(5, 7, seed=12)
+    moved, (ids2, x2) = nudge(model, (ids, x), torch.Generator().manual_seed(3), 1e-6)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert torch.equal(ids2, ids) and not torch.equal(x2, x)
+    assert ((x2.double() - x.double()).abs() <= 8e-6 * x.double().abs()).all()
+    for p, b in zip(moved.parameters(), before):
+        change = (p.detach().double() - b.double()).abs()
+        assert (change <= 8 * torch.finfo(torch.float32).eps * b.double().abs()).all()   # a few ulps at most
+        assert (change > 0).float().mean() > 0.2                                           # many moved
+    ref = _grads(copy.deepcopy(model).double(), ids)
+    eager, nudged = _grads(model, ids), _grads(moved, ids)
+    assert all(rmse(n, r) != rmse(e, r) for n, e, r in zip(nudged, eager, ref))
+
+
+@pytest.mark.parametrize("defect", ["bf16", "epsilon"])
+def test_nudged_judge_still_fails_an_injected_defect(defect: str) -> None:
+    """With eager's error on nudged weights as the estimate of what this precision must give,
+    another valid fp32 evaluation passes, and an RMS norm rounded to bf16 or with a wrong epsilon
+    still fails."""
+    model, ids = _token_net()
+    ref, eager = _grads(copy.deepcopy(model).double(), ids), _grads(model, ids)
+    g = torch.Generator().manual_seed(7)
+    nudged = [0.0] * len(ref)
+    for _ in range(4):
+        run = _grads(nudge(model, (ids,), g, 1e-6)[0], ids)
+        nudged = [max(w, rmse(t, r)) for w, t, r in zip(nudged, run, ref)]
+    valid = _grads(nudge(model, (ids,), torch.Generator().manual_seed(99), 1e-6)[0], ids)
+    assert judge_all(valid, eager, ref, shared_scale=True, nudged_errors=nudged).ok
+    bad_model = copy.deepcopy(model)
+    for m in bad_model.modules():
+        if isinstance(m, _RMSNorm):
+            m.defect = defect
+    bad = _grads(bad_model, ids)
+    v = judge_all(bad, eager, ref, shared_scale=True, nudged_errors=nudged)
+    assert not v.ok and v.ratio > 3, str(v)

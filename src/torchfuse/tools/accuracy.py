@@ -26,6 +26,7 @@ of an absolute 1e-5.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -93,10 +94,13 @@ def _cosine(actual: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def judge(actual: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, *, scale: float | None = None,
-          name: str = "") -> Verdict:
+          name: str = "", nudged_error: float = 0.0) -> Verdict:
     """Whether `actual` (the compiled run) is as close to `reference` (the model in higher
     precision) as eager's `eager` (same precision as `actual`) is, within MULTIPLIER.  `scale`
-    sets the floor (default: the reference's RMS).  Non-floating tensors must equal eager's."""
+    sets the floor (default: the reference's RMS).  `nudged_error`: eager's error on data moved
+    by rounding-sized noise (see nudge), where larger than eager's own: an ill-conditioned
+    tensor's error that any evaluation in this precision may have.  Non-floating tensors must
+    equal eager's."""
     if actual.shape != eager.shape:
         return Verdict(False, math.inf, 0.0, 0.0, name=name, reason=f"shape {tuple(actual.shape)}, "
                                                                       f"eager's {tuple(eager.shape)}")
@@ -108,7 +112,7 @@ def judge(actual: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, *,
         actual, eager, reference = (torch.view_as_real(t.detach()) for t in (actual, eager, reference))
     error, eager_error = rmse(actual, reference), rmse(eager, reference)
     scale = _rms(reference) if scale is None else scale
-    bound = MULTIPLIER * eager_error + FLOOR * scale
+    bound = MULTIPLIER * max(eager_error, nudged_error) + FLOOR * scale
     ok, reasons = error <= bound, []
     if not ok:
         reasons.append(f"{error / bound:.2f}x the bound" if bound > 0 else "eager is exact")
@@ -139,11 +143,12 @@ def flatten(value: Any) -> list[torch.Tensor]:
 
 def judge_all(actual: Sequence[torch.Tensor] | Any, eager: Sequence[torch.Tensor] | Any,
               reference: Sequence[torch.Tensor] | Any, names: Sequence[str] | None = None,
-              shared_scale: bool = False) -> Verdict:
+              shared_scale: bool = False, nudged_errors: Sequence[float] | None = None) -> Verdict:
     """Every tensor judged (see judge); returns the first failing one, else the one nearest its
     bound.  With `shared_scale` (parameter gradients), a tensor far smaller than the whole set (a
     bias gradient that is zero in exact arithmetic) takes VANISHING_ULPS times the set's RMS as
-    its scale: its floor then covers noise against noise, which its own scale would not."""
+    its scale: its floor then covers noise against noise, which its own scale would not.
+    `nudged_errors`: per tensor, eager's error on nudged data (judge's `nudged_error`)."""
     acts, eags, refs = flatten(actual), flatten(eager), flatten(reference)
     if not len(acts) == len(eags) == len(refs):
         return Verdict(False, math.inf, 0.0, 0.0, reason=f"{len(acts)} tensors, eager {len(eags)}, "
@@ -151,12 +156,13 @@ def judge_all(actual: Sequence[torch.Tensor] | Any, eager: Sequence[torch.Tensor
     names = list(names) if names is not None else [f"output {i}" for i in range(len(acts))]
     count = sum(r.numel() for r in refs) or 1
     overall = math.sqrt(sum(_rms(r) ** 2 * r.numel() for r in refs) / count)
+    nudged = list(nudged_errors) if nudged_errors is not None else [0.0] * len(acts)
     verdicts = []
-    for a, e, r, n in zip(acts, eags, refs, names):
+    for a, e, r, n, p in zip(acts, eags, refs, names, nudged):
         scale = None
         if shared_scale and _rms(r) < SHARE_FLOOR * overall:
             scale = VANISHING_ULPS * overall
-        verdicts.append(judge(a, e, r, scale=scale, name=n))
+        verdicts.append(judge(a, e, r, scale=scale, name=n, nudged_error=p))
     if not verdicts:
         return Verdict(True, 0.0, 0.0, 0.0, reason="nothing to compare")
     failed = [v for v in verdicts if not v.ok]
@@ -185,3 +191,27 @@ def to_reference(value: Any, dtype: torch.dtype) -> Any:
         return value.to(dtype)
     return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
                            value)
+
+
+def nudge(model: torch.nn.Module, inputs: tuple, generator: torch.Generator,
+          input_noise: float) -> tuple[torch.nn.Module, tuple]:
+    """A copy of `model` whose floating-point parameters are each moved by one unit roundoff of
+    their dtype (relative Gaussian noise: the weights as rounded from other exact values, as valid
+    a model in that precision), and `inputs` with their floating-point tensors moved by
+    `input_noise` (relative).  Eager's results on such data tell how far rounding-sized changes
+    move an ill-conditioned computation (a ReLU or a softmax that flips on a last-place change):
+    any evaluation in this precision, eager's included, may land that far from the reference.
+    The parameters matter where no input is floating-point (token ids): there the inputs alone
+    moved nothing, and eager on them repeated its own error exactly.  One unit roundoff is less
+    than the backward error of any fp32 matmul on the weights (their sum's length times it), so
+    this allows nothing a stable evaluation could not give; a defect (a bf16 intermediate, a
+    wrong epsilon) moves results far more than this (tests/tools/test_accuracy.py)."""
+    moved_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in moved_model.parameters():
+            if p.is_floating_point():
+                noise = torch.randn(p.shape, generator=generator).to(p.device, p.dtype)
+                p.add_(p * noise * (torch.finfo(p.dtype).eps / 2))
+    moved = tuple(x * (1 + input_noise * torch.randn(x.shape, generator=generator).to(x.device, x.dtype))
+                  if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    return moved_model, moved
