@@ -16,6 +16,15 @@ units in the last place of fp32 at that scale: it only matters where eager's own
 similarity >= 0.99, or where eager's is lower, an angle 1 - cosine within 1.5^2 times eager's),
 which catches a wrong answer that a large eager error would hide.
 
+An ill-conditioned result (a ReLU input within rounding of zero flips between evaluations and
+moves a gradient by its whole size: in T5-base's training step over 8x512 tokens, eager's
+gradients lie 1e-4 to 1e-3 from the fp64 ones, most of it from a few such flips) differs as much
+between two valid fp32 evaluations as from the reference.  `nudge` gives data moved by
+rounding-sized noise (the weights by one unit roundoff, inputs by a caller's amount); eager's
+error on it, passed as `nudged_error`, stands for eager's where larger: the bound is then 1.5x
+the larger of the two.  A defect (a bf16 intermediate, a wrong epsilon) still fails by orders of
+magnitude.
+
 Inductor's `torch._dynamo.utils.same(fp64_ref=...)` is the model: it allows 2x (3x in low
 precision) plus tol / 10; this is stricter, with a floor relative to the tensor's scale instead
 of an absolute 1e-5.
