@@ -1,7 +1,9 @@
 """Where a zoo row's peak CUDA memory goes: each backend's first-call and steady-state peak, and
-for the backends named by --snapshot, the allocations live at the steady-state peak, by site.
+for the backends named by --snapshot, the allocations live at the steady-state peak, by site
+(with --first, at the first call's peak too: compile-time and first-launch allocations).
 
     python benchmarks/probes/zoo_memory.py --only resnet50 --mode infer [--snapshot torchfuse]
+    python benchmarks/probes/zoo_memory.py --only hf_gpt_neox --dtype bf16 --first   # library rows too
 
 Printed per backend: peak MiB above what was allocated before the call, for the first call
 (compile included) and for a later call; with --snapshot, the largest allocations alive at the
@@ -21,13 +23,14 @@ import torch  # noqa: E402
 
 import torchfuse  # noqa: E402,F401  (registers the backend)
 from zoo import TrainStep, compile_with, free_memory  # noqa: E402
+from zoo_library import LIBRARY_BY_NAME  # noqa: E402
 from zoo_models import BY_NAME  # noqa: E402
 
 MiB = 2 ** 20
 
 
 def _step(name: str, mode: str, dtype: torch.dtype, backend: str):
-    zm = BY_NAME[name]
+    zm = BY_NAME[name] if name in BY_NAME else LIBRARY_BY_NAME[name]
     model, inputs = zm.make("gpu", "cuda", dtype)
     if mode == "train":
         model.train()
@@ -81,7 +84,8 @@ def live_at_peak(snapshot: dict, top: int) -> list[str]:
     return lines
 
 
-def measure(name: str, mode: str, dtype: torch.dtype, backend: str, snapshot: bool, top: int) -> list[str]:
+def measure(name: str, mode: str, dtype: torch.dtype, backend: str, snapshot: bool, top: int,
+            first_snapshot: bool = False) -> list[str]:
     torch._dynamo.reset()
     free_memory()
     base = torch.cuda.memory_allocated()
@@ -89,9 +93,15 @@ def measure(name: str, mode: str, dtype: torch.dtype, backend: str, snapshot: bo
     fn = _step(name, mode, dtype, backend)
     built = torch.cuda.memory_allocated() - base   # the model (and its copy) and inputs
     torch.cuda.reset_peak_memory_stats()
+    if snapshot and first_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
     out = fn()
     torch.cuda.synchronize()
     first = torch.cuda.max_memory_allocated() - base - built
+    first_lines = []
+    if snapshot and first_snapshot:
+        first_lines = ["  first call:"] + live_at_peak(torch.cuda.memory._snapshot(), top)
+        torch.cuda.memory._record_memory_history(enabled=None)
     del out
     fn()
     torch.cuda.synchronize()
@@ -104,7 +114,7 @@ def measure(name: str, mode: str, dtype: torch.dtype, backend: str, snapshot: bo
     later = torch.cuda.max_memory_allocated() - held
     lines = [f"## {name} {mode} {dtype} {backend}: model+inputs {built / MiB:.0f} MiB, first call peak "
              f"+{first / MiB:.0f} MiB, later call peak +{later / MiB:.0f} MiB over {(held - base - built) / MiB:.0f} "
-             f"MiB held between calls"]
+             f"MiB held between calls"] + first_lines
     if snapshot:
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -120,6 +130,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--backends", default="eager,inductor,torchfuse")
     ap.add_argument("--snapshot", default="torchfuse", help="backends whose peak is broken down by site")
+    ap.add_argument("--first", action="store_true", help="break the first call's peak down by site too")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--out", help="append the report to this file")
     args = ap.parse_args()
@@ -128,7 +139,8 @@ def main() -> None:
     report = []
     for name in args.only.split(","):
         for backend in args.backends.split(","):
-            report += measure(name, args.mode, dtype, backend, backend in args.snapshot.split(","), args.top)
+            report += measure(name, args.mode, dtype, backend, backend in args.snapshot.split(","), args.top,
+                              args.first)
             print("\n".join(report[-1:]), flush=True)
     text = "\n".join(report)
     print(text)
