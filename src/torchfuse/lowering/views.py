@@ -373,7 +373,16 @@ def _cat(lw, tensors, dim=0):
         costs = [cost(t.load([var(f"i{k}") for k in range(t.ndim)])) if isinstance(t, ComputedValue) else 1
                  for t in parts]
         if sum(costs) > 2 * limit:
-            parts = [_stored_in_order_of(lw, t, lw.out_meta()) if c > limit else t for t, c in zip(parts, costs)]
+            stored = {id(t): _stored_in_order_of(lw, t, lw.out_meta()) for t, c in zip(parts, costs) if c > limit}
+            parts = [stored.get(id(t), t) for t in parts]
+            # A part planned for its slice (cat_slots.py) was just stored there, into the
+            # concatenation's buffer: the concatenation is now that buffer, its other parts
+            # written into their slices.  A fused copy would leave the buffer, allocated whole,
+            # alive to the end of the graph beside the copy (GPT-NeoX's partial rotary: q and k
+            # of every layer, 16 MiB per layer, held until the logits were written).
+            in_place = cat_in_place(lw, [stored.get(id(t), t) for t in tensors])
+            if in_place is not None:
+                return in_place
 
     def body(idx):
         i = idx[dim]
