@@ -536,12 +536,22 @@ class WrapperBuilder:
         self.lines.append(f"    {name} = {self.const(_allocator(device))}({_tuple(sizes)}, {_tuple(strides)}, "
                           f"{self.const(dtype)})")
 
+    def _binding(self, item: FallbackCall) -> Any:
+        if item.target is torch.ops.aten.convolution.default and len(item.args) == 9 and not item.kwargs \
+                and item.outputs[0] in self.program.buffer_meta:
+            # a channels-last CPU convolution: its weight reordered for oneDNN once (runtime/cpu_conv.py)
+            from ..runtime import cpu_conv
+            sizes, strides, _, device = self.program.buffer_meta[item.outputs[0]]
+            if cpu_conv.use_packed(sizes, strides, device):
+                return cpu_conv.convolution
+        return python_binding(item.target, len(item.args), frozenset(item.kwargs))
+
     def _fallback(self, item: FallbackCall) -> None:
         L = self.lines
         if item.target == "get_attr":
             L.append(f"    {item.outputs[0]} = {self.const(item.args[0])}")
             return
-        fn = self.const(python_binding(item.target, len(item.args), frozenset(item.kwargs)))
+        fn = self.const(self._binding(item))
         args = ", ".join(self.arg(a) for a in item.args)
         kwargs = ", ".join(f"{k}={self.arg(v)}" for k, v in item.kwargs.items())
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"
