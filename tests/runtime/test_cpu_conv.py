@@ -16,15 +16,16 @@ FALLBACKS = {"aten.convolution.default", "aten.max_pool2d_with_indices.default"}
 
 
 def _net() -> nn.Module:
-    """Three dense k x k convolutions (the 7 x 7 stem, a strided 3 x 3, a grouped 3 x 3), a
-    depthwise and a 1 x 1 one."""
+    """Two dense 3 x 3 convolutions with weights of MIN_WEIGHT elements or more (a strided one
+    and a grouped one), a small 7 x 7 stem, a depthwise and a 1 x 1 convolution."""
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 16, 7, stride=2, padding=3), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 24, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(24, 24, 3, padding=1, groups=4),
-        nn.Conv2d(24, 24, 3, padding=1, groups=24), nn.Conv2d(24, 8, 1)).eval()
+        nn.Conv2d(3, 64, 7, stride=2, padding=3), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(128, 128, 3, padding=1, groups=2),
+        nn.Conv2d(128, 128, 3, padding=1, groups=128), nn.Conv2d(128, 8, 1)).eval()
     net[1].running_mean.normal_()
     net[1].running_var.uniform_(0.5, 2.0)
+    assert 128 * 64 * 9 >= cpu_conv.MIN_WEIGHT > 64 * 3 * 49
     return net
 
 
@@ -39,8 +40,8 @@ def test_dense_kxk_weights_are_reordered_once(tf, channels_last):
         compiled = torch.compile(model, backend="torchfuse", options={"channels_last_convs": channels_last})
         for _ in range(2):
             torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
-        # channels-last: the three dense k x k weights; NCHW: none (the op returns channels-last)
-        assert cpu_conv.packed_weights() - before == (3 if channels_last == "auto" else 0)
+        # channels-last: the two large dense k x k weights; NCHW: none (the op returns channels-last)
+        assert cpu_conv.packed_weights() - before == (2 if channels_last == "auto" else 0)
 
 
 def test_a_parameter_changed_in_place_is_seen(tf):

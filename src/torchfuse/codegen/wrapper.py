@@ -541,8 +541,11 @@ class WrapperBuilder:
                 and item.outputs[0] in self.program.buffer_meta:
             # a channels-last CPU convolution: its weight reordered for oneDNN once (runtime/cpu_conv.py)
             from ..runtime import cpu_conv
-            sizes, strides, _, device = self.program.buffer_meta[item.outputs[0]]
-            if cpu_conv.use_packed(sizes, strides, device):
+            sizes, strides, dtype, device = self.program.buffer_meta[item.outputs[0]]
+            w = item.args[1]
+            w_sizes = (w.layout.sizes if w.layout is not None else self.program.buffer_meta[w.buffer][0]) \
+                if isinstance(w, BufferRef) and (w.layout is not None or w.buffer in self.program.buffer_meta) else ()
+            if cpu_conv.use_packed(sizes, strides, device, w_sizes, dtype):
                 return cpu_conv.convolution
         return python_binding(item.target, len(item.args), frozenset(item.kwargs))
 
