@@ -545,7 +545,10 @@ class WrapperBuilder:
             w = item.args[1]
             w_sizes = (w.layout.sizes if w.layout is not None else self.program.buffer_meta[w.buffer][0]) \
                 if isinstance(w, BufferRef) and (w.layout is not None or w.buffer in self.program.buffer_meta) else ()
-            if cpu_conv.use_packed(sizes, strides, device, w_sizes, dtype):
+            # a weight the graph computes (a training step's channels-last copy) is new in
+            # every call: only graph inputs (parameters, hoisted copies) are worth keeping
+            graph_input = isinstance(w, BufferRef) and w.buffer in {f"in{i}" for i in range(len(self.program.inputs))}
+            if graph_input and cpu_conv.use_packed(sizes, strides, device, w_sizes, dtype):
                 return cpu_conv.convolution
         return python_binding(item.target, len(item.args), frozenset(item.kwargs))
 
