@@ -19,6 +19,7 @@ DEVICE_RULES = {
     "torchfuse/codegen/wrapper.py": "the generated wrapper allocates with each device's empty_strided",
     "torchfuse/passes/host_scalars.py": "host memory against device memory",
     "torchfuse/passes/strided_1x1_grads.py": "a workaround for oneDNN, ATen's CPU convolution",
+    "torchfuse/runtime/cpu_conv.py": "oneDNN, ATen's CPU convolution, called with a weight reordered once",
     "torchfuse/passes/layout_rule.py": "convolution layouts as oneDNN (CPU) and cuDNN (CUDA) run them, ATen's libraries",
     "torchfuse/lazy/mode.py": "the lazy mode records CPU and CUDA tensors; it pipelines GPU work",
     "torchfuse/lowering/values.py": "a 0-dim CPU tensor is a host scalar on any device",

@@ -179,3 +179,82 @@ def test_mixed_net_auto_on_cpu_is_channels_last(tf):
         e = tf.check(MixedNet().eval(), tf.rand((3, 3, 9, 15)), check_stride=True, allow_fallbacks=MIXED_FALLBACKS)
     assert layout_copies(e) == (4, 1)
     assert "channels-last: 5 convolutions" in e.layouts[0], e.layouts
+
+
+class ShuffleUnit(nn.Module):
+    """ShuffleNet-v2's unit (torchvision's code): half the channels pass through, the other half
+    through 1x1 / depthwise 3x3 / 1x1 convolutions, then a channel shuffle (view, transpose,
+    contiguous, view); twice, so that the second unit's branch reads a slice of a shuffle."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 2 * c, 3, padding=1)
+        self.branches = nn.ModuleList(nn.Sequential(
+            nn.Conv2d(c, c, 1), nn.BatchNorm2d(c), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1, groups=c),
+            nn.BatchNorm2d(c), nn.Conv2d(c, c, 1), nn.ReLU()) for _ in range(2))
+        for m in self.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+
+    @staticmethod
+    def shuffle(x):
+        b, c, h, w = x.shape
+        return torch.transpose(x.view(b, 2, c // 2, h, w), 1, 2).contiguous().view(b, c, h, w)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        for branch in self.branches:
+            x1, x2 = x.chunk(2, dim=1)
+            x = self.shuffle(torch.cat((x1, branch(x2)), dim=1))
+        return x
+
+
+def _conv_inputs(e) -> list[str]:
+    """The first argument of each convolution in the graph after the passes."""
+    after = "".join(g for g in e.graphs if "after passes" in g.splitlines()[0])
+    return re.findall(r"aten\.convolution\.default\((\w+),", after)
+
+
+def test_convolutions_on_a_channel_shuffles_slices_go_channels_last(tf):
+    """Each branch's first convolution reads a slice of a channel shuffle's output, which is no
+    NCHW activation; it reads a channels-last copy too (its producer writes it so), and the
+    shuffle's views of channels-last values stay views: no copy back to NCHW in between."""
+    with torch.no_grad():
+        e = tf.check(ShuffleUnit().eval(), tf.rand((2, 3, 7, 9)), check_stride=True,
+                     allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
+    inputs = _conv_inputs(e)
+    assert len(inputs) == 7 and inputs[1].startswith("clone") and inputs[4].startswith("clone"), inputs
+    # copies to channels-last: the input, the stem's 3 x 3 weight, each branch's slice; to
+    # contiguous: the two shuffles' own .contiguous() (the output is the second's view), none added
+    assert layout_copies(e) == (4, 2), e.graphs[-1]
+    assert "channels-last: 7 convolutions" in e.layouts[0], e.layouts
+
+
+class GroupNormNet(nn.Module):
+    """MobileViT-v2's norm, GroupNorm(1, C), whose decomposition reads its per-sample scale
+    with as_strided: a value computed from channels-last activations, with unchanged strides."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.ModuleList([nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1)])
+        self.norms = nn.ModuleList([nn.GroupNorm(1, 8) for _ in range(3)])
+        for n in self.norms:
+            n.weight.data.normal_()
+            n.bias.data.normal_()
+
+    def forward(self, x):
+        for conv, norm in zip(self.convs, self.norms):
+            x = F.silu(norm(conv(x)))
+        return x
+
+
+def test_group_norm_keeps_the_graph_channels_last(tf):
+    with torch.no_grad():
+        e = tf.check(GroupNormNet().eval(), tf.rand((2, 3, 9, 7)), check_stride=True,
+                     allow_fallbacks={"aten.convolution.default"}, atol=1e-5, rtol=1e-4)
+    assert e.layouts == ["forward_0: channels-last: 3 convolutions on oneDNN"] or \
+        (len(e.layouts) == 1 and e.layouts[0].endswith("channels-last: 3 convolutions on oneDNN")), e.layouts
+    assert layout_copies(e)[0] == 3, e.graphs[-1]      # the input and the two 3 x 3 weights

@@ -536,12 +536,28 @@ class WrapperBuilder:
         self.lines.append(f"    {name} = {self.const(_allocator(device))}({_tuple(sizes)}, {_tuple(strides)}, "
                           f"{self.const(dtype)})")
 
+    def _binding(self, item: FallbackCall) -> Any:
+        if item.target is torch.ops.aten.convolution.default and len(item.args) == 9 and not item.kwargs \
+                and item.outputs[0] in self.program.buffer_meta:
+            # a channels-last CPU convolution: its weight reordered for oneDNN once (runtime/cpu_conv.py)
+            from ..runtime import cpu_conv
+            sizes, strides, dtype, device = self.program.buffer_meta[item.outputs[0]]
+            w = item.args[1]
+            w_sizes = (w.layout.sizes if w.layout is not None else self.program.buffer_meta[w.buffer][0]) \
+                if isinstance(w, BufferRef) and (w.layout is not None or w.buffer in self.program.buffer_meta) else ()
+            # a weight the graph computes (a training step's channels-last copy) is new in
+            # every call: only graph inputs (parameters, hoisted copies) are worth keeping
+            graph_input = isinstance(w, BufferRef) and w.buffer in {f"in{i}" for i in range(len(self.program.inputs))}
+            if graph_input and cpu_conv.use_packed(sizes, strides, device, w_sizes, dtype):
+                return cpu_conv.convolution
+        return python_binding(item.target, len(item.args), frozenset(item.kwargs))
+
     def _fallback(self, item: FallbackCall) -> None:
         L = self.lines
         if item.target == "get_attr":
             L.append(f"    {item.outputs[0]} = {self.const(item.args[0])}")
             return
-        fn = self.const(python_binding(item.target, len(item.args), frozenset(item.kwargs)))
+        fn = self.const(self._binding(item))
         args = ", ".join(self.arg(a) for a in item.args)
         kwargs = ", ".join(f"{k}={self.arg(v)}" for k, v in item.kwargs.items())
         call = f"{fn}({args}{', ' if args and kwargs else ''}{kwargs})"

@@ -50,12 +50,17 @@ def _is_plain_nchw(t: Any) -> bool:
             and not t.is_contiguous(memory_format=torch.channels_last))
 
 
+def _not_channels_last(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.ndim == 4 and not t.is_contiguous(memory_format=torch.channels_last)
+
+
 def _wants_channels_last(node: fx.Node) -> bool:
-    """A 2-d convolution on an NCHW activation."""
+    """A 2-d convolution on an activation that is not channels-last: an NCHW one, or a slice
+    or channel shuffle of one (ShuffleNet's branches), which ATen would copy to NCHW first."""
     if node.target is not aten.convolution.default:
         return False
     x, out = val_of(node.args[0]), val_of(node)
-    return isinstance(out, torch.Tensor) and out.ndim == 4 and _is_plain_nchw(x)
+    return isinstance(out, torch.Tensor) and out.ndim == 4 and _not_channels_last(x)
 
 
 def graph_layout(gm: fx.GraphModule, ctx: PassContext) -> LayoutDecision:
@@ -68,6 +73,21 @@ def graph_layout(gm: fx.GraphModule, ctx: PassContext) -> LayoutDecision:
                          dtype=x.dtype if x is not None else torch.float32, inference=ctx.inference,
                          override=ctx.channels_last, devices=ctx.channels_last_devices, tf32=ctx.cudnn_tf32,
                          graph_nodes=len(gm.graph.nodes))
+
+
+def _relaid(src: Any, vals: dict[fx.Node, Any]) -> bool:
+    """Whether `src` may sit in its storage otherwise than in the graph as traced: its strides
+    or offset changed, or it views another value (as_strided may read beyond the view).  A
+    value computed downstream of a re-laid activation often keeps its strides: group norm's
+    decomposition takes `as_strided` of its [N, 1, C, 1] scale, computed from per-sample
+    statistics (MobileViT-v2's norms), which reads the same elements in either layout."""
+    if not isinstance(src, fx.Node) or src not in vals:
+        return False
+    new, old = vals[src], val_of(src)
+    if not isinstance(new, torch.Tensor) or not isinstance(old, torch.Tensor):
+        return True
+    return (alias_input(src) is not None or new.stride() != old.stride()
+            or new.storage_offset() != old.storage_offset())
 
 
 def _fake(a: Any, vals: dict[fx.Node, Any]) -> Any:
@@ -127,15 +147,21 @@ def channels_last_convs(gm: fx.GraphModule, ctx: PassContext) -> int:
             changed = any(isinstance(a, fx.Node) and a in new_vals for a in node.all_input_nodes)
             if not changed:
                 continue
-            if node.target in _EXPLICIT_STRIDES:
+            if node.target in _EXPLICIT_STRIDES and _relaid(node.args[0], new_vals):
                 raise ValueError(f"{node.name} addresses a re-laid-out value by explicit strides")
             if node.target in _NEEDS_CONTIGUOUS:
-                src = node.args[0]
-                if not _fake(src, new_vals).is_contiguous():
-                    copy_before(node, src, torch.contiguous_format)
+                # a view that the new strides allow stays a view (splitting the channels of a
+                # channels-last activation, a channel shuffle's first step; merging H and W);
+                # only one they do not (a flatten) reads a contiguous copy
+                try:
+                    new_vals[node] = derive(node)
+                    continue
+                except (RuntimeError, ValueError):
+                    copy_before(node, node.args[0], torch.contiguous_format)
             new_vals[node] = derive(node)
         _restore_output_strides(graph, new_vals, copy_before, derive)
-    except Exception:     # an op whose layout rules we cannot follow: leave the graph as it was
+    except Exception as e:     # an op whose layout rules we cannot follow: leave the graph as it was
+        log.info("inference graph stays NCHW: %s", e)
         for node in reversed(inserted):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)

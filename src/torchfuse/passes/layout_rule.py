@@ -10,7 +10,11 @@ graph ask it: `channels_last.py` (inference graphs, on the aten graph) and
   back (a ViT's patch embedding, a single block compiled on its own).
 - CPU (oneDNN): channels-last.  oneDNN's convolutions, dense, grouped, depthwise and transposed,
   fp32 and bf16, ran 10-40% faster on channels-last activations (zoo CNNs on 2 cores; Inductor
-  makes the same choice for every graph with a convolution on a oneDNN device).  Training
+  makes the same choice for every graph with a convolution on a oneDNN device).  Every
+  convolution of such a graph reads a channels-last input, a slice of a channel shuffle too.
+  Where weights outweigh activations (ResNet's last stages at small batch) ATen's reorder of
+  the weight in every call cost more under channels-last than under NCHW (up to 1.7x the
+  convolution); runtime/cpu_conv.py reorders large dense weights once instead.  Training
   graphs only where the convolutions read at least MIN_ACTIVATIONS_PER_WEIGHT activation
   elements per weight element: each step copies every weight to channels-last and its gradient
   back, which a net whose weights outweigh its activations does not win back (resnet18 at
