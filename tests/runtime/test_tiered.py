@@ -111,9 +111,11 @@ def test_first_call_runs_through_aten_until_the_build_ends(tf, held, tmp_path, d
     assert counters["tiered_switches"] - before[1] == 1
 
 
-def test_training_across_the_switch(tf, held, tmp_path):
+@pytest.mark.parametrize("first", [0, 1], ids=["forward_built_first", "backward_built_first"])
+def test_training_across_the_switch(tf, held, tmp_path, first):
     """Forward and backward each build in the background; a training step made while both are
-    held, once only the forward is built, and once both are, has eager's loss and gradients."""
+    held, once only one is built (a compiled backward reading the activations the forward saved
+    through ATen, or the reverse), and once both are, has eager's loss and gradients."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(11, 19), torch.nn.LayerNorm(19), torch.nn.GELU(),
                                 torch.nn.Linear(19, 5))
@@ -127,7 +129,7 @@ def test_training_across_the_switch(tf, held, tmp_path):
         return [loss.detach()] + [p.grad.clone() for p in m.parameters()]
 
     launches = []
-    for built in ((), (0,), (0, 1)):       # nothing built, the forward built, both built
+    for built in ((), (first,), (0, 1)):       # nothing built, one built, both built
         if built:
             held.release(built)
             _until(lambda: len(tiered._pending) == 2 - len(built))
@@ -138,7 +140,7 @@ def test_training_across_the_switch(tf, held, tmp_path):
         launches.append(held.launches)
     assert len(held.events) == 2, "forward and backward each built in the background"
     assert launches[0] == 0                     # all through ATen
-    assert launches[2] > launches[1] > 0        # the forward's kernels, then the backward's too
+    assert launches[2] > launches[1] > 0        # one graph's kernels, then the other's too
 
 
 def _until(condition, timeout=120.0):
@@ -285,3 +287,17 @@ def test_outputs_take_the_compiled_graphs_layout():
     assert got[0].stride() == x.contiguous(memory_format=torch.channels_last).stride()
     torch.testing.assert_close(got[0], x.relu() * 2)
     assert got[1].data_ptr() == x[:, 1:].data_ptr()      # a view of the input stays one
+
+
+def test_symbolic_sizes(tf, held, tmp_path):
+    """A graph with symbolic sizes (its size inputs are ints) runs through ATen at any size."""
+    compiled = torch.compile(fn, backend="torchfuse", dynamic=True, options=options(tmp_path))
+    for rows in (13, 6):
+        x, y = torch.randn(rows, 7), torch.randn(7, rows + 2)[:, 1:-1]
+        tf.assert_same(compiled(x, y), fn(x, y), check_stride=True)
+    assert held.launches == 0 and len(held.events) == 1
+    held.release()
+    torchfuse.wait_compiled(120)
+    x, y = torch.randn(9, 7), torch.randn(7, 11)[:, 1:-1]
+    tf.assert_same(compiled(x, y), fn(x, y), check_stride=True)
+    assert held.launches > 0 and len(held.events) == 1      # (the same graph: no recompile)

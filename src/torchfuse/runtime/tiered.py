@@ -82,7 +82,7 @@ def tiered(gm: fx.GraphModule, graph_name: str, compiled: Future, strict: bool,
     compiled.add_done_callback(lambda _: ready.append(time.perf_counter()))
 
     def switch() -> Callable:
-        nonlocal target
+        nonlocal target, on_failure
         try:
             call = compiled.result()
         except Exception as e:
@@ -94,6 +94,7 @@ def tiered(gm: fx.GraphModule, graph_name: str, compiled: Future, strict: bool,
                      "%d call(s) ran through ATen meanwhile)", graph_name, (ready or [time.perf_counter()])[0] - started,
                      eager.calls)
             counters.bump("tiered_switches")
+            eager.gm = on_failure = None     # (the aten graph and its constants are not needed again)
         target = call
         run._torchfuse_lib = getattr(call, "_torchfuse_lib", None)   # type: ignore[attr-defined]
         return call
@@ -122,7 +123,7 @@ class EagerTier:
     kept input mutations) are written by the same ops the compiled graph runs."""
 
     def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
+        self.gm: fx.GraphModule | None = gm
         self.calls = 0
         self._layouts: list[tuple | None] | None = None
 
