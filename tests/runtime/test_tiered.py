@@ -301,3 +301,19 @@ def test_symbolic_sizes(tf, held, tmp_path):
     x, y = torch.randn(9, 7), torch.randn(7, 11)[:, 1:-1]
     tf.assert_same(compiled(x, y), fn(x, y), check_stride=True)
     assert held.launches > 0 and len(held.events) == 1      # (the same graph: no recompile)
+
+
+def test_saved_cache_artifacts_wait_for_the_background_build(tf, held, tmp_path, monkeypatch):
+    """`torch.compiler.save_cache_artifacts()` right after a compile carries the library that
+    g++ was still building (runtime/cache_artifacts.py): it waits for the build."""
+    cache = pytest.importorskip("torch.compiler._cache")
+    monkeypatch.setenv("TORCHFUSE_CACHE_DIR", str(tmp_path))     # (artifacts are of the default cache)
+    cache.CacheArtifactManager.clear()
+    compiled = torch.compile(fn, backend="torchfuse", options=options(tmp_path))
+    args = inputs()
+    tf.assert_same(compiled(*args), fn(*args))
+    assert len(held.events) == 1 and not held.events[0].is_set()
+    threading.Timer(0.2, held.release).start()
+    saved = torch.compiler.save_cache_artifacts()
+    assert saved is not None
+    assert any(k.startswith("cpp/") and k.endswith(".so") for k in saved[1].artifacts["torchfuse"]), saved[1]
