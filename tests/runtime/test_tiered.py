@@ -207,6 +207,7 @@ def test_explain_reports_the_tiered_calls(held, tmp_path):
     assert report.calls_tiered == 1
     assert len(report.first_calls) == 1 and "background" in report.first_calls[0]
     assert "1 ran through ATen" in str(report)
+    assert "first calls" in report.save_html(tmp_path / "report.html").read_text()
     held.release()
     # explain's own default judges the compiled graph: it waits
     report = torchfuse.explain(fn, *inputs(), options={"cache_dir": str(tmp_path / "again")})
