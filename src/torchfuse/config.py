@@ -166,7 +166,8 @@ class Config:
     `torchfuse.wait_compiled()` waits for the builds); "wait" makes the first call wait for the
     kernels.  Harnesses that check compiled numerics (the tests, benchmarks/zoo.py's judge, the
     fuzzers) and `explain` use "wait"; TORCHFUSE_FIRST_CALLS=wait sets it for a whole process.
-    CUDA graphs (mode="reduce-overhead") always wait: a capture must record the compiled graph."""
+    CUDA graphs (mode="reduce-overhead") always wait: a capture must record the compiled graph;
+    so does the lazy mode, which checks a graph's first run against eager."""
 
     # --- backends ---------------------------------------------------------------------------
     cpu_backend: str = "cpp"
