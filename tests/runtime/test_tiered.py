@@ -318,3 +318,22 @@ def test_saved_cache_artifacts_wait_for_the_background_build(tf, held, tmp_path,
     saved = torch.compiler.save_cache_artifacts()
     assert saved is not None
     assert any(k.startswith("cpp/") and k.endswith(".so") for k in saved[1].artifacts["torchfuse"]), saved[1]
+
+
+def test_training_step_with_running_statistics(tf, held, tmp_path):
+    """A training forward keeps batch norm's running-statistics updates as input mutations in
+    the graph: the ATen tier performs them, and gradients equal eager's."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4)).train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="torchfuse", options=options(tmp_path))
+    for _ in range(2):
+        x = torch.randn(5, 3, 7, 9)
+        compiled(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    assert held.launches == 0 and held.events                 # both steps through ATen
+    tf.assert_same(model[1].running_mean, reference[1].running_mean)
+    tf.assert_same(model[1].running_var, reference[1].running_var)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        tf.assert_same(p.grad, q.grad, atol=1e-4, rtol=1e-4)
