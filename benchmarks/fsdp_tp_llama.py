@@ -18,9 +18,11 @@ eager's curve.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
+os.environ.setdefault("TORCHFUSE_FIRST_CALLS", "wait")   # timings are of compiled graphs, not the ATen tier
 import torch
 import torch.distributed as dist
 import torch.nn as nn

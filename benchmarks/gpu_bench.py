@@ -22,6 +22,7 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_tmp, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_tmp, "triton")
 os.environ["TORCHFUSE_CACHE_DIR"] = os.path.join(_tmp, "torchfuse")
 
+os.environ.setdefault("TORCHFUSE_FIRST_CALLS", "wait")   # timings are of compiled graphs, not the ATen tier
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

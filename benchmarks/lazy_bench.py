@@ -33,6 +33,7 @@ import time  # noqa: E402
 import warnings  # noqa: E402
 from typing import Callable  # noqa: E402
 
+os.environ.setdefault("TORCHFUSE_FIRST_CALLS", "wait")   # timings are of compiled graphs, not the ATen tier
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 

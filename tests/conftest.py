@@ -6,6 +6,8 @@
 * Dynamo's caches are reset around every test, so a test never runs a graph compiled by another
   test (or with other options).
 * `tf`: helpers that compile with torchfuse and compare against eager PyTorch.
+* First calls wait for their kernels (TORCHFUSE_FIRST_CALLS=wait): what a test judges is the
+  compiled graph, never the ATen tier that runs while kernels build (runtime/tiered.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ if not torch.cuda.is_available():
     # before anything imports triton, or whichever test file imports it first decides the mode
     # for the whole session (tests/passes run alone first left later Triton tests compiled)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tests judge compiled graphs: a graph whose kernels still build in the background makes its first
+# call wait for them, instead of running through ATen (Config.first_calls; tests/runtime/test_tiered.py
+# passes first_calls="eager" where the eager tier is what it tests)
+os.environ["TORCHFUSE_FIRST_CALLS"] = "wait"
 
 import torchfuse
 from torchfuse import counters

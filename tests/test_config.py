@@ -46,6 +46,7 @@ def test_bad_pass_names_raise_through_torch_compile():
     ({"fallback_ops": ["gelu"]}, "name no op"),
     ({"partitioner": "greedy"}, "['default', 'min_cut']"),
     ({"cache_dir": 3}, "a path"),
+    ({"first_calls": "later"}, "['eager', 'wait']"),
 ])
 def test_bad_option_values_raise_with_the_valid_ones(options, says):
     with pytest.raises(ValueError) as err:
@@ -55,6 +56,19 @@ def test_bad_option_values_raise_with_the_valid_ones(options, says):
     with pytest.raises(Exception) as err:    # the same check through torch.compile (Dynamo wraps it)
         torch.compile(lambda x: x + 1, backend="torchfuse", options=options)(torch.randn(3))
     assert says in str(err.value), str(err.value)
+
+
+def test_first_calls_default_and_environment(monkeypatch):
+    """Kernels compiling in the background make no call wait by default; TORCHFUSE_FIRST_CALLS
+    (which the test session sets to "wait") changes the default, and options win over it."""
+    monkeypatch.delenv("TORCHFUSE_FIRST_CALLS")
+    assert Config.from_options().first_calls == "eager"
+    monkeypatch.setenv("TORCHFUSE_FIRST_CALLS", "wait")
+    assert Config.from_options().first_calls == "wait"
+    assert Config.from_options({"first_calls": "eager"}).first_calls == "eager"
+    monkeypatch.setenv("TORCHFUSE_FIRST_CALLS", "sometimes")
+    with pytest.raises(ValueError, match="first_calls"):
+        Config.from_options()
 
 
 def test_good_option_values_are_converted():

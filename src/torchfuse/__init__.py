@@ -5,6 +5,7 @@
     torch.compile(model, backend=torchfuse.backend(options={...}))   # options checked at once
     torchfuse.explain(fn, *args)                   # what was fused, what fell back, and why
     torchfuse.counters                             # process-wide counters
+    torchfuse.wait_compiled()                      # wait for kernels compiling in the background
 """
 from .config import Config
 from .counters import counters
@@ -13,6 +14,7 @@ from .lazy import lazy
 from .extend import register_pass, register_decomposition, register_lowering
 from .runtime import cache_artifacts as _cache_artifacts
 from .runtime.kernel_errors import check_kernel_errors
+from .runtime.tiered import wait_compiled
 
 _cache_artifacts.register()    # before any torch.compiler.load_cache_artifacts() of this process
 
@@ -41,5 +43,6 @@ def _register_backend_name() -> None:
 _register_backend_name()
 
 __all__ = ["Config", "counters", "compile", "backend", "explain", "Explanation", "KernelInfo", "FallbackInfo", "lazy",
-           "register_pass", "register_decomposition", "register_lowering", "check_kernel_errors"]
+           "register_pass", "register_decomposition", "register_lowering", "check_kernel_errors",
+           "wait_compiled"]
 __version__ = "0.1.0"

@@ -1,6 +1,7 @@
 """The user-facing entry points: `compile`, `explain` and the `Explanation` report."""
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping
 
 import torch
@@ -37,7 +38,10 @@ def backend(*, mode: str | None = None, options: Mapping[str, Any] | None = None
 def explain(fn: Callable, *args: Any, options: Mapping[str, Any] | None = None, **kwargs: Any) -> Explanation:
     """Compile `fn` with torchfuse, run it once on `args`, and report what was generated.
 
-    Dynamo's caches are reset first so that the report describes a fresh compilation.
+    Dynamo's caches are reset first so that the report describes a fresh compilation.  The run
+    is the compiled graphs' (its output is theirs): it waits for kernels that compile in the
+    background, unless `options` sets first_calls="eager" (the report then says which calls ran
+    through ATen meanwhile).
     """
     from .frontend.dynamo import TorchfuseBackend
 
@@ -45,10 +49,15 @@ def explain(fn: Callable, *args: Any, options: Mapping[str, Any] | None = None, 
 
     torch._dynamo.reset()
     report = Explanation()
-    backend = TorchfuseBackend(Config.from_options(options), report=report)
+    opts = dict(options or {})
+    if "first_calls" not in opts and not os.environ.get("TORCHFUSE_FIRST_CALLS"):
+        opts["first_calls"] = "wait"
+    backend = TorchfuseBackend(Config.from_options(opts), report=report)
     compiled = torch.compile(fn, backend=backend)
     before = dict(counters.seconds)
+    tiered = counters["calls_tiered"]
     report.output = compiled(*args, **kwargs)
+    report.calls_tiered = counters["calls_tiered"] - tiered
     report.stage_seconds = {k: v - before.get(k, 0.0) for k, v in counters.seconds.items()
                             if v - before.get(k, 0.0) > 0}
     torch._dynamo.reset()

@@ -26,6 +26,9 @@ class Counters(collections.Counter):
       kernels_compiled_in_workers  of those, the ones a worker process compiled
       kernels_compiled_while_waiting  of those, the ones the first call compiled in its own
                         thread while it waited (no worker would have taken them sooner)
+      calls_tiered      graph calls run through ATen because the graph's kernels were still
+                        compiling in the background (Config.first_calls="eager", runtime/tiered.py)
+      tiered_switches   graphs that went on to their compiled kernels after such calls
       channels_last_training  Dynamo graphs of a training step re-laid channels-last before
                         AOTAutograd (frontend/channels_last_training.py)
       constant_masks_dropped  SDPA attention masks computed from constants that mask nothing,
@@ -39,7 +42,9 @@ class Counters(collections.Counter):
                         (torchfuse's passes, lowering, scheduling and codegen skipped too)
 
     `seconds` adds up the wall time of each compile stage (passes, lowering, schedule, codegen,
-    build, precompile), so compile time can be split between torchfuse and what comes before it.
+    build, precompile), so compile time can be split between torchfuse and what comes before it;
+    "build: background" is a build that ran while the graph's first calls did not wait for it,
+    and "first calls: ATen" the time those calls took (runtime/tiered.py).
     """
 
     def __init__(self) -> None:

@@ -81,15 +81,18 @@ def _warn_debug_once(message: str) -> None:
 
 
 def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: str = "forward",
-                  report: Explanation | None = None, static_inputs: set[int] | None = None) -> Callable:
+                  report: Explanation | None = None, static_inputs: set[int] | None = None,
+                  tiered: bool = False) -> Callable:
     """Compile an aten graph into a boxed callable `fn(list_of_inputs) -> tuple_of_outputs`;
     a graph that cannot be compiled runs eagerly, with a warning (and counters["eager_fallbacks"]).
 
     `static_inputs` are the positions of parameters and buffers (AOTAutograd's
     static_input_indices): in an inference graph what is computed from them alone is hoisted
-    out of the per-call path (passes/hoist_static.py)."""
+    out of the per-call path (passes/hoist_static.py).  `tiered`: calls made while the kernels
+    still compile in the background run `gm` through ATen instead of waiting
+    (Config.first_calls, runtime/tiered.py); a build failing there is reported at the switch."""
     result = try_compile_graph(gm, config, inference=inference, kind=kind, report=report,
-                               static_inputs=static_inputs)
+                               static_inputs=static_inputs, tiered=tiered)
     fallback = eager_fallback(result)
     if fallback is not None:
         warnings.warn(fallback.message)
@@ -98,15 +101,16 @@ def compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: 
 
 
 def try_compile_graph(gm: fx.GraphModule, config: Config, *, inference: bool, kind: str = "forward",
-                      report: Explanation | None = None, static_inputs: set[int] | None = None) -> Callable:
+                      report: Explanation | None = None, static_inputs: set[int] | None = None,
+                      tiered: bool = False) -> Callable:
     """compile_graph without its warning: the result is an EagerFallback (see `eager_fallback`)
     where the graph cannot be compiled, and the caller decides what to say."""
     with progress.compiling(config):
-        return _compile_graph(gm, config, inference, kind, report, static_inputs)
+        return _compile_graph(gm, config, inference, kind, report, static_inputs, tiered)
 
 
 def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: str,
-                   report: Explanation | None, static_inputs: set[int] | None) -> Callable:
+                   report: Explanation | None, static_inputs: set[int] | None, tiered: bool = False) -> Callable:
     graph_name = f"graph{next(_graph_ids)}_{kind}"
     debug = DebugWriter(config, graph_name)
     counters.bump("graphs_compiled")
@@ -128,7 +132,7 @@ def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: st
     debug.write("passes.txt", "\n".join(map(str, records)) + "\n\n" + after)
     # the blocks of torch.compiler.nested_compile_region: each compiled once, called per use
     compile_subgraphs(gm, lambda sub, name: compile_graph(sub, config, inference=inference, kind=f"{kind}_{name}",
-                                                          report=report))
+                                                          report=report, tiered=tiered))
     if report is not None:
         report.graphs += [f"# {graph_name}: aten graph\n{before}", f"# {graph_name}: after passes\n{after}"]
         report.passes += [f"{graph_name}: {r}" for r in records]
@@ -148,9 +152,9 @@ def _compile_graph(gm: fx.GraphModule, config: Config, inference: bool, kind: st
         if report is not None:
             report.frozen.append(line)
         from .runtime.static_values import StaticPrologue
-        return StaticPrologue(_lower_and_build(gm, config, graph_name, debug, report, t0), hoisted,
+        return StaticPrologue(_lower_and_build(gm, config, graph_name, debug, report, t0, tiered), hoisted,
                               config.freezing)
-    return _lower_and_build(gm, config, graph_name, debug, report, t0)
+    return _lower_and_build(gm, config, graph_name, debug, report, t0, tiered)
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*(.*)')
@@ -205,7 +209,7 @@ def eager_fallback(fn: Callable) -> EagerFallback | None:
 
 
 def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug: "DebugWriter",
-                     report: Explanation | None, t0: float) -> Callable | EagerFallback:
+                     report: Explanation | None, t0: float, tiered: bool = False) -> Callable | EagerFallback:
     """The stages after the graph passes: lowering, fusion, codegen, build, wrapper."""
     try:
         with counters.timed("lowering"):
@@ -307,25 +311,66 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     launches = [(launch_calls[k.name], k.bindings) for k in sched.kernels if k.name in launch_calls]
     try:
         call = build_and_link(code, config, debug, lambda kernels: backend.precompile(
-            {**code.globals, **kernels}, launches, sched, program, config))
+            {**code.globals, **kernels}, launches, sched, program, config),
+            tier=(gm, graph_name) if tiered else None)
     except Exception as e:   # a kernel that fails to build: this graph runs eagerly
         if config.strict:
             raise
         return EagerFallback(gm, graph_name, "build", str(e))
     log.info("torchfuse: compiled %s: %d kernels, %d ATen fallbacks in %.1f ms", graph_name, len(sources),
              len(fallbacks), 1e3 * (time.perf_counter() - t0))
+    if report is not None and getattr(call, "_torchfuse_tier", None) is not None:
+        report.first_calls.append(f"{graph_name}: its kernels compile in the background; calls until then run its "
+                                  "aten graph through ATen (first_calls='eager')")
     return call
 
 
 def build_and_link(code: GeneratedCode, config: Config, debug: "DebugWriter",
-                   precompile: Callable[[dict], Future | None] | None = None) -> Callable:
+                   precompile: Callable[[dict], Future | None] | None = None,
+                   tier: tuple[fx.GraphModule, str] | None = None) -> Callable:
     """Build (or load from the kernel cache) the kernels of `code` and bind its wrapper to them;
     `precompile` starts compiling the kernels ahead of their first launch (a fresh compile knows
     the launches; a restart leaves that to the backend's own cache), and the first call waits
-    for it."""
+    for it.  With `tier` (the aten graph `code` was generated from, and its name), a build the
+    backend runs in the background (`Backend.start_build`) or a precompile not done yet makes
+    no call wait: calls run the aten graph through ATen until the kernels are ready
+    (runtime/tiered.py)."""
     backend = backends.by_name(code.backend)
+    started = backend.start_build(code, config, debug.write) if tier is not None else None
+    if started is not None:
+        compiled: Future = Future()
+
+        def built(future: Future) -> None:
+            # (the build's thread): link, start the precompile, and finish once that is done
+            try:
+                call, pending = _link(code, backend, future.result(), precompile)
+            except BaseException as e:
+                compiled.set_exception(e)
+                return
+            counters.add_seconds("build: background", time.perf_counter() - start)
+            _when_done(pending, compiled, call)
+        start = time.perf_counter()
+        started.add_done_callback(built)
+        return _tiered(code, tier, compiled, config)
     with counters.timed("build"):
         kernels = backend.build(code, config, debug.write)
+    call, pending = _link(code, backend, kernels, precompile)
+    if pending is None:
+        return call
+    if tier is not None:
+        compiled = Future()
+        _when_done(pending, compiled, call)
+        return _tiered(code, tier, compiled, config)
+    waiting = _first_call_waits(pending, call)
+    waiting._boxed_call = True  # type: ignore[attr-defined]
+    waiting._torchfuse_lib = kernels  # type: ignore[attr-defined]
+    waiting._torchfuse_code = code  # type: ignore[attr-defined]
+    return waiting
+
+
+def _link(code: GeneratedCode, backend: backends.Backend, kernels: dict,
+          precompile: Callable[[dict], Future | None] | None) -> tuple[Callable, Future | None]:
+    """The wrapper bound to the built `kernels`, and the precompile it started (or None)."""
     for dup, first in code.aliases.items():
         for suffix in backend.variant_suffixes:
             if first + suffix in kernels:
@@ -333,11 +378,33 @@ def build_and_link(code: GeneratedCode, config: Config, debug: "DebugWriter",
     backend.link(code, kernels)
     pending = precompile(kernels) if precompile is not None else None
     call = make_callable(code.wrapper, code.globals, kernels)
-    if pending is not None:
-        call = _first_call_waits(pending, call)
     call._boxed_call = True  # type: ignore[attr-defined]
     call._torchfuse_lib = kernels  # type: ignore[attr-defined]  (the libraries live as long as the callable)
     call._torchfuse_code = code  # type: ignore[attr-defined]
+    return call, pending
+
+
+def _when_done(pending: Future | None, compiled: Future, call: Callable) -> None:
+    """`compiled` gets `call` once `pending` (a precompile; it logs its own failures, a kernel
+    that failed compiles again, with its error, at its first launch) has ended."""
+    if pending is None:
+        compiled.set_result(call)
+    else:
+        pending.add_done_callback(lambda _: compiled.set_result(call))
+
+
+def _tiered(code: GeneratedCode, tier: tuple[fx.GraphModule, str], compiled: Future, config: Config) -> Callable:
+    from .runtime.tiered import tiered
+    gm, graph_name = tier
+
+    def on_failure(error: BaseException) -> Callable:
+        # as a build failing in the foreground: one warning, and the graph runs eagerly
+        fallback = EagerFallback(gm, graph_name, "build", str(error))
+        warnings.warn(fallback.message)
+        counters.bump("eager_fallbacks")
+        return fallback
+    call = tiered(gm, graph_name, compiled, config.strict, on_failure)
+    call._torchfuse_code = code  # type: ignore[attr-defined]   (what the graph cache stores)
     return call
 
 

@@ -57,6 +57,10 @@ class Explanation:
     memory: list[str] = field(default_factory=list)   # per graph: the wrapper's planned peak bytes, reuse
     # per collective (torch.distributed's functional collectives): where it starts and waits, what runs between
     collectives: list[str] = field(default_factory=list)
+    # per graph whose kernels compiled in the background while its calls ran through ATen
+    # (Config.first_calls="eager"), and how many calls of explain's run did so
+    first_calls: list[str] = field(default_factory=list)
+    calls_tiered: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)   # compile wall time by stage
     output: Any = None
 
@@ -104,6 +108,9 @@ class Explanation:
         if self.collectives:
             lines.append("\ncollectives (ATen calls; what runs between start and wait overlaps the communication):")
             lines += [f"  {c}" for c in self.collectives]
+        if self.first_calls:
+            lines.append(f"\nfirst calls ({self.calls_tiered} ran through ATen while kernels compiled):")
+            lines += [f"  {f}" for f in self.first_calls]
         lines.append("\nkernels:")
         lines += [f"  {k}" for k in self.kernels] or ["  (none)"]
         lines.append("\nfallbacks to ATen:")

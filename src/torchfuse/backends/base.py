@@ -143,6 +143,14 @@ class Backend:
         the debug folder."""
         raise NotImplementedError
 
+    def start_build(self, code: GeneratedCode, config: Config,
+                    debug: Callable[[str, str], None]) -> Future | None:
+        """Start `build` in the background where it is slow and runs outside the interpreter (a
+        compiler process), so the graph's first calls need not wait for it (Config.first_calls):
+        a Future of what `build` returns.  None: nothing worth it (the kernels are cached), and
+        the pipeline calls `build` itself."""
+        return None
+
     def link(self, code: GeneratedCode, kernels: dict[str, Any]) -> None:
         """Add to the built `kernels` what the wrapper calls besides them (Triton: each kernel's
         launch site), once kernels identical to an earlier one are bound to its build."""
@@ -150,7 +158,8 @@ class Backend:
     def precompile(self, scope: dict[str, Any], launches: list[tuple[str, list]], schedule: Schedule,
                    program: LoweredGraph, config: Config) -> Future | None:
         """Start compiling the built kernels ahead of their first call (`launches`: each kernel's
-        `launch_call` and its symbol bindings); the first call waits for the returned future."""
+        `launch_call` and its symbol bindings); calls run through ATen (Config.first_calls
+        "eager") or the first call waits ("wait") until the returned future is done."""
         return None
 
     def warm_up(self, config: Config) -> None:

@@ -60,7 +60,7 @@ def source_hash() -> str:
 
 def config_key(config: Config) -> str:
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.name not in ("debug", "debug_dir", "cache_dir", "progress")}   # not what is built
+              if f.name not in ("debug", "debug_dir", "cache_dir", "progress", "first_calls")}   # not what is built
     return hashlib.sha256(f"{source_hash()}|{sorted(fields.items())!r}".encode()).hexdigest()[:32]
 
 

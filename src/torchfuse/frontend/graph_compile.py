@@ -30,8 +30,10 @@ def compile_aten_graph(config: Config, report: Explanation | None, kind: str, gm
     # start's Dynamo trace slowed it, resnet50: 2.7 vs 1.8 s)
     _start_compile_workers([n.meta.get("val") for n in placeholders], config)
     n_inputs = len(placeholders)
+    # (CUDA graphs must capture the compiled graph: their first calls wait for it)
     call = compile_graph(gm, config, inference=kind == "inference", kind=kind, report=report,
-                         static_inputs=static if kind == "inference" else None)
+                         static_inputs=static if kind == "inference" else None,
+                         tiered=config.first_calls == "eager" and not config.cudagraphs)
     if not config.cudagraphs:
         return call
     # gm is now the graph as lowered: values hoisted out of it are trailing inputs,

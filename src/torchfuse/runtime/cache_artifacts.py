@@ -66,7 +66,25 @@ def register() -> bool:
             return TYPE
 
     CacheArtifactFactory.register(TorchfuseArtifact)
+    _serialize_after_builds()
     return True
+
+
+def _serialize_after_builds() -> None:
+    """`save_cache_artifacts()` (torch's CacheArtifactManager.serialize) first waits for the
+    kernels torchfuse still builds in the background (Config.first_calls="eager", runtime/tiered.py):
+    a library is recorded once built, and one saved right after a compile belongs in the blob."""
+    manager = _manager()
+    serialize = getattr(manager, "serialize", None)
+    if serialize is None or getattr(getattr(serialize, "__func__", None), "_torchfuse_waits", False):
+        return
+
+    def after_builds(cls: Any) -> Any:
+        from .tiered import wait_compiled
+        wait_compiled()
+        return serialize()
+    after_builds._torchfuse_waits = True  # type: ignore[attr-defined]
+    manager.serialize = classmethod(after_builds)
 
 
 def record(kind: str, path: str, content: bytes) -> None:

@@ -111,7 +111,8 @@ def run_case(case: Case, mode: str) -> str | None:
                 got = torch.as_tensor(got.tolist(), dtype=got.dtype) if got.ndim else got
             else:
                 torch._dynamo.reset()
-                options = {"strict": True, "cpu_backend": mode}      # (a backend's name: cpp, triton)
+                # (a backend's name: cpp, triton; the first call waits for the compiled graph)
+                options = {"strict": True, "cpu_backend": mode, "first_calls": "wait"}
                 got = torch.compile(fn, backend="torchfuse", options=options, dynamic=False)(*inputs)
     except Exception as e:          # noqa: BLE001
         if error is None:

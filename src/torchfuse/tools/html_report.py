@@ -83,6 +83,7 @@ def render(report: "Explanation") -> str:
         body.append(_items("passes that changed something",
                            [p for p in report.changed_passes() if report.graph_of(p) == g]))
         body.append(_items("memory", [m for m in report.memory if report.graph_of(m) == g]))
+        body.append(_items("first calls", [f for f in report.first_calls if report.graph_of(f) == g]))
         body.append(_items("collectives (start, wait, what overlaps)",
                            [c for c in report.collectives if report.graph_of(c) == g]))
         for text in report.graphs:

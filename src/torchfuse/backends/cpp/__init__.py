@@ -3,6 +3,8 @@ shared library and cached (build.py)."""
 from __future__ import annotations
 
 import ctypes
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -51,6 +53,22 @@ class CppBackend(Backend):
         return KernelCode(src, bufs, syms, checks=checks)
 
     def build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None]) -> dict[str, Any]:
+        return self._build(code, config, debug, config.num_threads or torch.get_num_threads())
+
+    def start_build(self, code: GeneratedCode, config: Config,
+                    debug: Callable[[str, str], None]) -> Future | None:
+        """g++ in a background thread (it waits on the compiler's process, holding no lock a
+        call needs), unless the library is loaded or on disk already: loading it takes
+        milliseconds."""
+        from .build import is_built
+        if not code.sources or is_built(codegen.translation_unit(code.sources), config):
+            return None
+        # (read here: OpenMP's thread count is per thread, and the caller's is the one that counts)
+        threads = config.num_threads or torch.get_num_threads()
+        return _builds.submit(self._build, code, config, debug, threads)
+
+    def _build(self, code: GeneratedCode, config: Config, debug: Callable[[str, str], None],
+               threads: int) -> dict[str, Any]:
         from .build import load_library
         kernels: dict[str, Any] = {}
         if not code.sources:
@@ -58,7 +76,7 @@ class CppBackend(Backend):
         unit = codegen.translation_unit(code.sources)
         debug("kernels.cpp", unit)
         lib = load_library(unit, config)
-        lib.tf_set_num_threads(config.num_threads or torch.get_num_threads())
+        lib.tf_set_num_threads(threads)
         checks = getattr(code, "checks", {})
         for name, (bufs, syms) in code.kernel_args.items():
             fn = kernels[name] = getattr(lib, name)
@@ -68,6 +86,11 @@ class CppBackend(Backend):
             last_error = kernels["_tf_last_error"] = lib.tf_last_error
             last_error.argtypes, last_error.restype = [ctypes.c_void_p], None
         return kernels
+
+
+# Graphs whose libraries build while their first calls run (Config.first_calls): a forward and
+# its backward build side by side, as would the graphs of a model with graph breaks.
+_builds = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="torchfuse-g++")
 
 
 def _int32_addressable(program: Any) -> frozenset[str]:

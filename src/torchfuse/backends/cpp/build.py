@@ -31,7 +31,7 @@ from ...config import Config
 from ...counters import counters
 from ...runtime.cache_dir import atomic_write, cache_folder, enforce_limit, touch
 
-__all__ = ["CompileError", "CompilerNotFound", "load_library", "cache_key", "clear_memory_cache"]
+__all__ = ["CompileError", "CompilerNotFound", "load_library", "is_built", "cache_key", "clear_memory_cache"]
 
 log = logging.getLogger("torchfuse.runtime")
 
@@ -301,6 +301,16 @@ def _load_or_build(source: str, key: str, config: Config) -> ctypes.CDLL:
         lock.release()
     enforce_limit(config)      # a new entry: keep the cache under its bound
     return lib
+
+
+def is_built(source: str, config: Config) -> bool:
+    """Whether `load_library(source, config)` would find the library loaded or on disk (its
+    .so and sidecar are there; `load_library` still checks them) rather than run the compiler."""
+    key = cache_key(source, config)
+    if _memory_get(key) is not None:
+        return True
+    so = cache_folder(config, "cpp") / key[:2] / f"{key}.so"
+    return so.exists() and so.with_suffix(".json").exists()
 
 
 def load_library(source: str, config: Config) -> ctypes.CDLL:
