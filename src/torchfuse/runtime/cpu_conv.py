@@ -66,14 +66,12 @@ def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride
     if _eligible(x, w, transposed):
         key = (w._version, tuple(stride), tuple(padding), tuple(dilation), groups, tuple(x.shape))
         entry = _packed.get(w)
-        if entry is None or (entry is not _VOLATILE and entry[0] != key):
-            if entry is not None and entry[0][0] != key[0]:
-                _packed[w] = entry = _VOLATILE
-            else:
-                entry = (key, _REORDER(
+        if entry is not None and entry is not _VOLATILE and entry[0][0] != key[0]:
+            entry = _packed[w] = _VOLATILE          # changed in place since it was reordered
+        if entry is not _VOLATILE:
+            if entry is None or entry[0] != key:    # (first call, or another input shape)
+                entry = _packed[w] = (key, _REORDER(
                     w, list(padding), list(stride), list(dilation), groups, list(x.shape)))
-                _packed[w] = entry
-        if entry is not None and entry is not _VOLATILE:
             return _POINTWISE(x, entry[1], b, list(padding), list(stride), list(dilation), groups, "none", [], "")
     return torch.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
 
