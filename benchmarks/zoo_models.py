@@ -86,6 +86,7 @@ class ZooModel:
             raise ValueError(f"size must be one of {SIZES}, got {size!r}")
         torch.manual_seed(0)
         model, inputs = self.builder(size, device)
+        _randomize_zero_weights(model)
         _calibrate_batchnorm(model, inputs)
         # calibrating ran the model in fp32 and eval mode: models that cache derived tensors then
         # (timm's LeViT keeps its attention biases per device) drop them on entering train mode
@@ -96,6 +97,21 @@ class ZooModel:
             model.to(memory_format=torch.channels_last)
             inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in inputs)
         return model, inputs
+
+
+def _randomize_zero_weights(model: nn.Module) -> None:
+    """Give every all-zero weight matrix or kernel random values (normal, 1/sqrt(fan-in)).
+    Libraries zero-initialise some layers so that training starts from them (torchvision's ViT
+    head, timm's MLP-Mixer head); with random weights and no training such a head makes the
+    output a constant, identical under every backend, and an accuracy check of it cannot fail.
+    Zero vectors (biases, norm scales of zero-initialised residual branches) are left alone: the
+    output still depends on the input through the other paths."""
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2 and p.is_floating_point() and p.numel() and not p.any():
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) * fan_in ** -0.5)
 
 
 def _calibrate_batchnorm(model: nn.Module, inputs: Inputs) -> None:
