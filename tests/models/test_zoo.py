@@ -203,3 +203,19 @@ def test_small_batch_cuts_batched_inputs_only() -> None:
     torch.testing.assert_close(cut[1], ids[:2])
     assert cut[2] is table and cut[3] == 3
     assert small_batch((x,), 8)[0] is x
+
+
+def test_zero_initialised_weights_get_random_values() -> None:
+    """A library's zero-initialised head (torchvision's ViT, timm's Mixer) would make a random
+    model's output constant, so no backend could be told apart from eager: the zoo gives such
+    weight matrices random values and keeps zero vectors (biases, norm scales) as they are."""
+    from zoo_models import _randomize_zero_weights
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+    torch.nn.init.zeros_(model[2].weight)
+    torch.nn.init.zeros_(model[2].bias)
+    kept = model[0].weight.detach().clone()
+    _randomize_zero_weights(model)
+    assert model[2].weight.abs().min() > 0 and model[2].bias.abs().max() == 0
+    assert torch.equal(model[0].weight, kept)
+    x = torch.randn(5, 8)
+    assert model(x).std(0).min() > 0, "the output should depend on the input"
