@@ -144,7 +144,8 @@ def _emit_scatter_loops(em: Emitter, plan: LoopPlan, para: str | None, atomic: b
         _emit_scatter_contiguous(em, plan, m, para, atomic, *row, pragma=pragma)
     elif rows is not None and rows.op == "const" and rows.arg <= SCATTER_ROW_MAX:
         _emit_scatter_rows(em, plan, m, pro, para, atomic, pragma=pragma)
-    elif para is None and not atomic:
+    elif para is None and not atomic and plan.outer:
+        # (blocks along the last loop: a scatter of one point, `x[0] = v`, has no loop at all)
         _emit_scatter_blocked(em, plan, m, pro)
     else:
         def point() -> None:
