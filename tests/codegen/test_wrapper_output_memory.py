@@ -96,11 +96,15 @@ def test_logits_are_held_once(backend, dtype):
 
         compiled = torch.compile(model, backend="torchfuse", options=BACKENDS[backend])
         compiled(ids)                                     # compile outside the measured call
-        peaks = {}
+        peaks, large = {}, {}
         for name, fn in (("eager", lambda: model(ids)), ("torchfuse", lambda: compiled(ids))):
             out, sizes, peaks[name] = _allocations(fn)
             torch.testing.assert_close(out, expected, **tol)
-            # exactly one allocation of the logits' size or more: no copy of the logits
-            assert len([s for s in sizes if s >= logits_bytes]) == 1, (name, sorted(sizes)[-4:])
+            large[name] = sorted(s for s in sizes if s >= logits_bytes)
+        # no more allocations of the logits' size than eager's: no copy of the logits.  Eager
+        # makes one (the output), or two where oneDNN has no bf16 matmul on the CPU (AVX-512
+        # without BF16: an fp32 result, then converted); the lm head's ATen call is the same in
+        # both, so a copy of torchfuse's own would be one more
+        assert 1 <= len(large["torchfuse"]) <= len(large["eager"]), large
         # and nothing large beside them (eager's peak includes ATen's own matmul workspaces)
         assert peaks["torchfuse"] <= peaks["eager"] + hidden_bytes, peaks

@@ -310,11 +310,11 @@ def _repeat(lw, x, repeats):
 # --------------------------------------------------------------------------------------------
 
 def masked(x: TensorValue, idx: Sequence[Node], mask: Node) -> Node:
-    """Load `x[idx]` only where `mask` holds (0 elsewhere): the load is never issued out of bounds."""
+    """Load `x[idx]` only where `mask` holds (0 elsewhere): the load is never issued out of bounds.
+    Every load inside is guarded, the loads that make an address too: a gather's index
+    (`src[idx[i - 2]]` in a concatenation's second part) read at i - 2 < 0 is out of bounds,
+    and its garbage value would fail the index check or address anything."""
     value = x.load(list(idx))
-    if value.op == "load":
-        return Node_load_masked(value, mask)
-    # a computed value: every load inside it must be guarded by the same mask
     from ..ir.nodes import map_nodes
     return map_nodes(value, lambda n, args: Node_load_masked(type(n)(n.op, args, n.arg, n.dtype), mask)
                      if n.op == "load" else type(n)(n.op, args, n.arg, n.dtype) if args != n.args else n)
