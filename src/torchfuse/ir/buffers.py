@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .nodes import Node, const, load, to_text, var
+from .nodes import Node, const, load, to_text, var, where
 
 
 class Unsupported(Exception):
@@ -113,7 +113,8 @@ class ComputedBuffer:
     # A scatter (lowering/scatter.py): `ranges` is the source/index domain, and each point stores
     # (`scatter` "store") or accumulates ("sum", "prod", "amax", "amin") `body` into buffer
     # `into` (already holding its initial value) at `scatter_index`, an offset computed from
-    # loaded indices that is negative where nothing may be written (out of range, skipped).
+    # loaded indices that is negative where nothing may be written (out of range, skipped):
+    # `guarded_offset(ok, offset)`, which `split_guarded` takes apart again.
     # This buffer is then `into` itself, after the scatter.
     scatter: str | None = None
     into: str | None = None
@@ -149,6 +150,23 @@ class ComputedBuffer:
             return (f"{head}\n    {self.into}[{to_text(self.store_index())}] {self.scatter}= {to_text(self.body)}"
                     f"   # from {', '.join(self.origins)}")
         return f"{head}\n    = {to_text(self.body)}   # from {', '.join(self.origins)}"
+
+
+def guarded_offset(ok: Node | None, offset: Node) -> Node:
+    """A scatter's store index: `offset` where `ok` holds, -1 (nothing written) elsewhere; a bare
+    `offset` (ok None) is in range wherever the scatter's domain is."""
+    return offset if ok is None else where(ok, offset, const(-1))
+
+
+def split_guarded(index: Node) -> tuple[Node, Node | None]:
+    """(offset, ok) of a store index made by `guarded_offset` (ok None: every point writes).  A
+    backend that masks lanes keeps the two apart: Triton vectorizes an atomic or a store only
+    when its address is contiguous and its mask constant along the fast dim, which
+    `tl.where(ok, offset, -1)` and a mask `offset >= 0` both hide (a GNN's scatter_add of 256-wide
+    rows: scalar `red.add.f32` for it, `red.add.v4.f32` for the offset and `ok` apart)."""
+    if index.op == "where" and index.args[2] == const(-1):
+        return index.args[1], index.args[0]
+    return index, None
 
 
 @dataclass

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from ..ir.buffers import ComputedBuffer, ComputedValue, StridedValue, TensorValue, Unsupported
+from ..ir.buffers import ComputedBuffer, ComputedValue, StridedValue, TensorValue, Unsupported, guarded_offset
 from ..ir.nodes import INDEX, Node, cast, const, op, var, where
 from .pointwise import bcast_load, register
 from .values import meta_val
@@ -188,7 +188,7 @@ def scatter_into(lw: GraphLowering, base: TensorValue | None, fill: float | None
         c = op("not", skip(idx), dtype=torch.bool)
         ok = c if ok is None else op("and", ok, c, dtype=torch.bool)
     offset = layout.index(sub)
-    store = offset if ok is None else where(ok, offset, const(-1))
+    store = guarded_offset(ok, offset)
     body = cast(value(idx), dtype)
     name = lw.new_name()
     origins: list[str] = []      # the fused producers of its value (a message x[src] * w), then the op

@@ -17,9 +17,9 @@ F16, BF16 = torch.float16, torch.bfloat16
 
 
 @pytest.mark.parametrize("capability,expected", [((6, 1), set()), ((7, 0), {F16}), ((8, 0), {F16}),
-                                                 ((9, 0), {F16}), ((10, 0), {F16})])
+                                                 ((9, 0), {F16, BF16}), ((10, 0), {F16, BF16})])
 def test_half_atomic_adds_follow_the_capability(monkeypatch, capability, expected):
-    """fp16 atomic adds from sm_70 (bf16 never: slower than fp32 sums); none on ROCm or without a GPU."""
+    """fp16 atomic adds from sm_70, bf16 from sm_90 (vector adds there); none on ROCm or without a GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setattr(torch.version, "hip", None)

@@ -169,21 +169,25 @@ class TritonBackend(Backend):
 
 def half_atomic_adds(device_type: str) -> frozenset:
     """The 16-bit dtypes whose `tl.atomic_add` works on this device (Features.half_atomic_add):
-    on CUDA, fp16 from sm_70 and bf16 from sm_90 (the PTX `atom.add.noftz` forms Triton emits;
+    on CUDA, fp16 from sm_70 and bf16 from sm_90 (the PTX `red.add.noftz` forms Triton emits;
     Inductor takes bf16 atomics from sm_90 too); Triton's interpreter (CPU tensors) adds fp16 but
     raises "Unsupported data type" for bf16.  ROCm and a CUDA graph traced without a GPU keep
     the wide sums.
 
-    bf16 is left out on CUDA: on an H200 (Triton 3.6) the bf16 atomic adds made torch_geometric's
-    bf16 GCN, GraphSAGE and GIN inference 2.5-4x slower than the fp32-buffer sums (GIN 4.88 ms a
-    call against 2.52; eager's own bf16 atomics 4.97), where Inductor takes 1.21.  fp16 on a GPU
-    has not been measured."""
+    bf16 was once left out on CUDA: on an H200 (Triton 3.6) the bf16 atomic adds made
+    torch_geometric's bf16 GCN, GraphSAGE and GIN inference 2.5-4x slower than the fp32-buffer
+    sums (GIN 4.88 ms a call against 2.52; eager's own bf16 atomics 4.97), where Inductor takes
+    1.21.  Those adds were scalar (`red.add.noftz.bf16`, one per element): the scatter's masked
+    address hid its contiguity from Triton.  With the bare offset (codegen `_emit_scatter`) a
+    row of 256 bf16 adds 8 at a time (`red.global.add.noftz.v8.bf16`, Inductor's form; probe:
+    benchmarks/probes/ptx_atomics.py), and half the bytes of the fp32 buffer, with no rounding
+    pass after it.  Not yet re-measured on a GPU.  fp16 on a GPU has not been measured."""
     if device_type == "cpu":
         return frozenset({torch.float16})
     if device_type != "cuda" or not torch.cuda.is_available() or torch.version.hip is not None:
         return frozenset()
     cap = torch.cuda.get_device_capability()
-    return frozenset([torch.float16] if cap >= (7, 0) else [])
+    return frozenset(([torch.float16] if cap >= (7, 0) else []) + ([torch.bfloat16] if cap >= (9, 0) else []))
 
 
 def _needs_64bit_expr(program: Any, bufs: list[str], plan: LoopPlan) -> str:

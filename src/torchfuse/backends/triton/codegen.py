@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ...ir.buffers import split_guarded
 from ...ir.nodes import Node, free_syms, load, loads, walk
 from ...scheduler.loops import LoopPlan, rows_contiguous
 from ...scheduler.tiling import stride_of
@@ -285,14 +286,22 @@ SCATTER_DTYPES = {"sum": frozenset({torch.float32, torch.float64}) | _ATOMIC_INT
 
 
 def _emit_scatter(em: TritonEmitter, m, mask: str) -> None:
-    """`into[offset] (op)= value` per lane, masked off where the offset is negative (an index out
-    of range).  Where lanes collide, atomics serialize; a plain store's winner is unspecified,
-    as in eager."""
+    """`into[offset] (op)= value` per lane, masked off where the index is out of range or
+    skipped.  Where lanes collide, atomics serialize; a plain store's winner is unspecified,
+    as in eager.
+
+    The address is the bare offset and the lane's validity a mask of its own (split_guarded):
+    Triton vectorizes an atomic or a store (`red.global.add.v4.f32`, `.v8.bf16` on sm_90) only
+    when the address is contiguous and the mask constant along the features, and a validity
+    that tests the loaded index is constant along them, where `tl.where(ok, offset, 0)` or a
+    mask `offset >= 0` made every add a scalar one.  A masked-off lane touches no memory, on a
+    GPU and under the interpreter alike, whatever its offset."""
     buf = m.buffer
     v = em.value(m.body)
-    off = em.tmp(em.index(m.store))
-    ok = em.tmp(f"{mask} & ({off} >= 0)")
-    ptr = f"{buf.into} + tl.where({ok}, {off}, 0) + xzero"
+    offset, valid = split_guarded(m.store)
+    off = em.tmp(em.index(offset))
+    ok = mask if valid is None else em.tmp(f"{mask} & ({em.value(valid)})")
+    ptr = f"{buf.into} + {off} + xzero"
     # (a constant value, scatter.value's, is a Python literal: given the block's shape first)
     value = f"(tl.zeros_like(xzero).to({STORE_TL[buf.dtype]}) + {v}).to({STORE_TL[buf.dtype]})"
     if buf.scatter == "store":
