@@ -88,6 +88,12 @@ os.environ.update(_CACHE_DIRS)
 BACKENDS = ("eager", "inductor", "torchfuse")
 COMPILERS = BACKENDS[1:]
 PERTURBATION, PERTURBED_RUNS = 1e-6, 4   # see perturbed_errors
+# Every run that is judged (the reference, eager, each compiler's first call, the nudged runs)
+# starts from this seed, as PyTorch's harness resets its RNGs before each run: a training row with
+# dropout (torchvision's MobileNetV2 classifier, p=0.2) otherwise draws a new mask in each, and
+# compares masks instead of arithmetic (two unseeded eager steps: losses 4.3e-2 apart; seeded,
+# eager vs fp64 1.0e-6).
+RNG_SEED = 1337
 COUNTER_KEYS = ("graphs_compiled", "kernels_generated", "fallback_ops", "eager_fallbacks")
 
 
@@ -141,9 +147,15 @@ def row_tensors(mode: str, out: Any) -> list[torch.Tensor]:
     return flatten(out) if mode == "infer" else [out[0]] + list(out[1])
 
 
+def reset_rng() -> None:
+    """The global CPU and CUDA generators at RNG_SEED: the same dropout mask in every judged run."""
+    torch.manual_seed(RNG_SEED)
+
+
 def reference_run(model: nn.Module, args: tuple, loss: Callable | None) -> list[torch.Tensor]:
-    """Eager on `model` itself (a copy the caller owns): the output's tensors, or with `loss`
-    (training rows) [loss, *parameter gradients]."""
+    """Eager on `model` itself (a copy the caller owns), from reset_rng: the output's tensors, or
+    with `loss` (training rows) [loss, *parameter gradients]."""
+    reset_rng()
     if loss is None:
         with torch.no_grad():
             return flatten(model(*args))
@@ -200,6 +212,8 @@ class Judge:
     fp32 for bf16 rows), the compiler's error within 1.5x eager's error at the row's precision
     plus a small floor, and for bf16 outputs a cosine similarity of at least 0.99.  The error
     shown is the worst tensor's, as a multiple of eager's error on that tensor.
+
+    Every judged run starts from the same seed (reset_rng): a row with dropout draws one mask.
 
     An fp32 training row that fails gets one more chance: within 1.5x the error of eager itself
     on data nudged by rounding-sized noise (perturbed_errors: inputs and weights), with the same
@@ -280,7 +294,10 @@ def compile_with(backend: str, model: nn.Module) -> Callable:
     if backend == "eager":
         return model
     if backend == "inductor":
-        return torch.compile(model)
+        # random ops through ATen's generator, as PyTorch's harness compiles for its accuracy runs:
+        # Inductor's own Philox stream would draw another dropout mask than eager's (the same for
+        # eager and torchfuse, which keeps ATen's random ops), and the judge would compare masks
+        return torch.compile(model, options={"fallback_random": True})
     # strict: a graph torchfuse cannot compile raises (the row fails with the reason) instead of
     # running eagerly with a warning; without strict's synchronization after every call to read
     # the index checks (a bad index still raises, at the next call), which serialized host and
@@ -305,7 +322,9 @@ class TrainStep:
         return loss
 
     def first(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One step; returns the loss and copies of the gradients it stepped with."""
+        """One step from RNG_SEED (the reference's dropout mask: reset_rng); returns the loss and
+        copies of the gradients it stepped with."""
+        reset_rng()
         loss = self._backward()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.opt.step()
@@ -419,7 +438,8 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                         first: Callable = fn.first
                     else:
                         fwd = compile_with(backend, model)
-                        fn = first = lambda fwd=fwd, inputs=inputs: fwd(*inputs)
+                        fn = lambda fwd=fwd, inputs=inputs: fwd(*inputs)
+                        first = lambda fn=fn: (reset_rng(), fn())[1]   # judged: from the reference's seed
                     _sync(device)
                     t0 = time.perf_counter()
                     out = first()
