@@ -8,8 +8,10 @@ yardstick for every change.
 
 A row is one model in one mode: inference in fp32, inference in bf16 (bf16 weights and inputs),
 or one fp32 training step (forward, loss, backward through the compiled model, then an eager
-`SGD(momentum=0.9, foreach=True)` step).  Per row and backend (eager, Inductor = `torch.compile(m)`,
-torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each compile):
+`SGD(momentum=0.9, foreach=True)` step).  Per row and backend (eager, Inductor = `torch.compile(m)`
+with random ops through ATen's generator (fallback_random, as in PyTorch's accuracy runs),
+torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each compile; every
+judged run from one RNG seed, so that dropout draws the same mask in each):
 
   * cold compile: the first call (Dynamo, AOTAutograd, the compiler; for training the whole first
     step, backward graph included), with the Inductor, Triton and torchfuse caches in fresh temp

@@ -96,3 +96,22 @@ def test_wrong_batch_norm_fails_the_judge(stride: int, defect: str) -> None:
     row = _judged_row(stride, "torchfuse", defect)
     assert not row.results["torchfuse"].ok, row.notes
     assert any("ACCURACY" in n for n in row.notes) and not any("ill-conditioned" in n for n in row.notes), row.notes
+
+
+@pytest.mark.parametrize("backend", ["inductor", "torchfuse"])
+def test_compiled_dropout_draws_eagers_mask(backend: str) -> None:
+    """From reset_rng, each compiler's dropout keeps eager's elements (Inductor's own Philox
+    stream, without fallback_random, keeps others)."""
+    model = nn.Sequential(nn.Linear(37, 53), nn.Dropout(0.3)).train()
+    x = torch.randn(5, 37, generator=torch.Generator().manual_seed(2))
+    zoo.reset_rng()
+    with torch.no_grad():
+        expected = model(x)
+        torch._dynamo.reset()
+        compiled = zoo.compile_with(backend, model)
+        torch.manual_seed(5)
+        compiled(x)                       # another mask: the generator moved on
+        zoo.reset_rng()
+        actual = compiled(x)
+    assert torch.equal(actual == 0, expected == 0)
+    torch.testing.assert_close(actual, expected)
