@@ -170,11 +170,17 @@ def reference_run(model: nn.Module, args: tuple, loss: Callable | None) -> list[
 def precise_reference(model: nn.Module, inputs: tuple, device: str, loss: Callable | None,
                       dtype: torch.dtype) -> list[torch.Tensor]:
     """The model in `dtype` (fp64 for an fp32 row, fp32 for bf16), same weights, on the same
-    (upcast) inputs: see reference_run.  On the CPU if the device runs out of memory."""
+    (upcast) inputs, with eager's random draws: see reference_run.  On the CPU if the device runs out of memory."""
+    # the random draws (dropout masks) of eager at the row's precision, from the same seed as every
+    # judged run, for the reference to reuse: its own draws may differ with the dtype (RandomDraws)
+    with accuracy.RandomDraws() as eager_draws:
+        reference_run(copy.deepcopy(model), inputs, loss)
+
     def run(where: str) -> list[torch.Tensor]:
         ref = to_reference(copy.deepcopy(model).to(where), dtype)
         args = tuple(to_reference(x.to(where), dtype) for x in inputs)
-        return [t.detach() for t in reference_run(ref, args, loss)]
+        with accuracy.RandomDraws(eager_draws.draws):
+            return [t.detach() for t in reference_run(ref, args, loss)]
 
     try:
         return run(device)
