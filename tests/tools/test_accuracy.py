@@ -264,3 +264,21 @@ def test_random_draws_give_the_reference_eagers_masks() -> None:
     with pytest.raises(RuntimeError, match="more random ops"):
         with RandomDraws(drawn.draws[:2]):
             ref_model(x.double())
+
+
+def test_random_draws_leave_seeded_but_deterministic_ops_alone() -> None:
+    """Attention and LSTM carry the nondeterministic_seeded tag (their dropout argument): with no
+    dropout they are plain arithmetic, and the reference keeps its own fp64 results."""
+    from torchfuse.tools.accuracy import RandomDraws
+    torch.manual_seed(0)
+    lstm, q = torch.nn.LSTM(6, 9, batch_first=True), _randn(2, 3, 5, 8, seed=5)
+    x = _randn(2, 5, 6, seed=6)
+    with RandomDraws() as drawn:
+        lstm(x)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert drawn.draws == []
+    lstm64 = copy.deepcopy(lstm).double()
+    with RandomDraws(drawn.draws):
+        out = lstm64(x.double())[0]
+        att = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert torch.equal(out, lstm64(x.double())[0]) and att.dtype == torch.float64

@@ -227,6 +227,15 @@ def nudge(model: torch.nn.Module, inputs: tuple, generator: torch.Generator,
     return moved_model, moved
 
 
+# Ops whose results are random draws (or, for native_dropout, a draw applied to the input).  Not
+# every op tagged nondeterministic_seeded: attention (its dropout_p) and LSTM/GRU carry the tag,
+# and their results must stay the reference's own.
+_DRAWS = {getattr(torch.ops.aten, name) for name in (
+    "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "uniform", "uniform_", "normal", "normal_", "exponential", "exponential_",
+    "cauchy", "cauchy_", "log_normal", "log_normal_", "geometric", "geometric_", "multinomial", "poisson")}
+
+
 class RandomDraws(TorchDispatchMode):
     """Random ops' results recorded in one run (`replay` False) and handed out, in order, to
     another run (`replay` True), cast to its dtype: the higher-precision reference then drops
@@ -243,7 +252,7 @@ class RandomDraws(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if torch.Tag.nondeterministic_seeded not in func.tags:
+        if func.overloadpacket not in _DRAWS:
             return out
         if not self.replay:
             self.draws.append(pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out))
