@@ -13,14 +13,25 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHFUSE_CACHE_DIR")
+_ENV = {var: os.environ.get(var) for var in _CACHE_VARS}
 import zoo  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _zoo_caches():
-    """Importing zoo made fresh cache folders for its own runs; removed with this module's tests."""
+    """Importing zoo (and the benchmarks it imports) made fresh cache folders and pointed the
+    cache variables at them: both undone with this module's tests."""
     yield
-    shutil.rmtree(zoo._CACHE_ROOT, ignore_errors=True)
+    for var, value in _ENV.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    import cpu_bench
+    import gpu_bench
+    for root in (zoo._CACHE_ROOT, cpu_bench._CACHE_ROOT, gpu_bench._tmp):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 class _BN(nn.BatchNorm2d):
