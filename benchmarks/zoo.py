@@ -8,8 +8,10 @@ yardstick for every change.
 
 A row is one model in one mode: inference in fp32, inference in bf16 (bf16 weights and inputs),
 or one fp32 training step (forward, loss, backward through the compiled model, then an eager
-`SGD(momentum=0.9, foreach=True)` step).  Per row and backend (eager, Inductor = `torch.compile(m)`,
-torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each compile):
+`SGD(momentum=0.9, foreach=True)` step).  Per row and backend (eager, Inductor = `torch.compile(m)`
+with random ops through ATen's generator (fallback_random, as in PyTorch's accuracy runs),
+torchfuse = `torch.compile(m, backend="torchfuse")`, Dynamo reset before each compile; every
+judged run from one RNG seed, so that dropout draws the same mask in each):
 
   * cold compile: the first call (Dynamo, AOTAutograd, the compiler; for training the whole first
     step, backward graph included), with the Inductor, Triton and torchfuse caches in fresh temp
@@ -88,6 +90,12 @@ os.environ.update(_CACHE_DIRS)
 BACKENDS = ("eager", "inductor", "torchfuse")
 COMPILERS = BACKENDS[1:]
 PERTURBATION, PERTURBED_RUNS = 1e-6, 4   # see perturbed_errors
+# Every run that is judged (the reference, eager, each compiler's first call, the nudged runs)
+# starts from this seed, as PyTorch's harness resets its RNGs before each run: a training row with
+# dropout (torchvision's MobileNetV2 classifier, p=0.2) otherwise draws a new mask in each, and
+# compares masks instead of arithmetic (two unseeded eager steps: losses 4.3e-2 apart; seeded,
+# eager vs fp64 1.0e-6).
+RNG_SEED = 1337
 COUNTER_KEYS = ("graphs_compiled", "kernels_generated", "fallback_ops", "eager_fallbacks")
 
 
@@ -141,9 +149,15 @@ def row_tensors(mode: str, out: Any) -> list[torch.Tensor]:
     return flatten(out) if mode == "infer" else [out[0]] + list(out[1])
 
 
+def reset_rng() -> None:
+    """The global CPU and CUDA generators at RNG_SEED: the same dropout mask in every judged run."""
+    torch.manual_seed(RNG_SEED)
+
+
 def reference_run(model: nn.Module, args: tuple, loss: Callable | None) -> list[torch.Tensor]:
-    """Eager on `model` itself (a copy the caller owns): the output's tensors, or with `loss`
-    (training rows) [loss, *parameter gradients]."""
+    """Eager on `model` itself (a copy the caller owns), from reset_rng: the output's tensors, or
+    with `loss` (training rows) [loss, *parameter gradients]."""
+    reset_rng()
     if loss is None:
         with torch.no_grad():
             return flatten(model(*args))
@@ -156,11 +170,17 @@ def reference_run(model: nn.Module, args: tuple, loss: Callable | None) -> list[
 def precise_reference(model: nn.Module, inputs: tuple, device: str, loss: Callable | None,
                       dtype: torch.dtype) -> list[torch.Tensor]:
     """The model in `dtype` (fp64 for an fp32 row, fp32 for bf16), same weights, on the same
-    (upcast) inputs: see reference_run.  On the CPU if the device runs out of memory."""
+    (upcast) inputs, with eager's random draws: see reference_run.  On the CPU if the device runs out of memory."""
+    # the random draws (dropout masks) of eager at the row's precision, from the same seed as every
+    # judged run, for the reference to reuse: its own draws may differ with the dtype (RandomDraws)
+    with accuracy.RandomDraws() as eager_draws:
+        reference_run(copy.deepcopy(model), inputs, loss)
+
     def run(where: str) -> list[torch.Tensor]:
         ref = to_reference(copy.deepcopy(model).to(where), dtype)
         args = tuple(to_reference(x.to(where), dtype) for x in inputs)
-        return [t.detach() for t in reference_run(ref, args, loss)]
+        with accuracy.RandomDraws(eager_draws.draws):
+            return [t.detach() for t in reference_run(ref, args, loss)]
 
     try:
         return run(device)
@@ -200,6 +220,8 @@ class Judge:
     fp32 for bf16 rows), the compiler's error within 1.5x eager's error at the row's precision
     plus a small floor, and for bf16 outputs a cosine similarity of at least 0.99.  The error
     shown is the worst tensor's, as a multiple of eager's error on that tensor.
+
+    Every judged run starts from the same seed (reset_rng): a row with dropout draws one mask.
 
     An fp32 training row that fails gets one more chance: within 1.5x the error of eager itself
     on data nudged by rounding-sized noise (perturbed_errors: inputs and weights), with the same
@@ -280,7 +302,10 @@ def compile_with(backend: str, model: nn.Module) -> Callable:
     if backend == "eager":
         return model
     if backend == "inductor":
-        return torch.compile(model)
+        # random ops through ATen's generator, as PyTorch's harness compiles for its accuracy runs:
+        # Inductor's own Philox stream would draw another dropout mask than eager's (the same for
+        # eager and torchfuse, which keeps ATen's random ops), and the judge would compare masks
+        return torch.compile(model, options={"fallback_random": True})
     # strict: a graph torchfuse cannot compile raises (the row fails with the reason) instead of
     # running eagerly with a warning; without strict's synchronization after every call to read
     # the index checks (a bad index still raises, at the next call), which serialized host and
@@ -305,7 +330,9 @@ class TrainStep:
         return loss
 
     def first(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One step; returns the loss and copies of the gradients it stepped with."""
+        """One step from RNG_SEED (the reference's dropout mask: reset_rng); returns the loss and
+        copies of the gradients it stepped with."""
+        reset_rng()
         loss = self._backward()
         grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.opt.step()
@@ -419,7 +446,8 @@ def run_row(zm: ZooModel, mode: str, dtype: str, size: str, device: str, budget:
                         first: Callable = fn.first
                     else:
                         fwd = compile_with(backend, model)
-                        fn = first = lambda fwd=fwd, inputs=inputs: fwd(*inputs)
+                        fn = lambda fwd=fwd, inputs=inputs: fwd(*inputs)
+                        first = lambda fn=fn: (reset_rng(), fn())[1]   # judged: from the reference's seed
                     _sync(device)
                     t0 = time.perf_counter()
                     out = first()

@@ -227,3 +227,58 @@ def test_nudged_judge_still_fails_an_injected_defect(defect: str) -> None:
     bad = _grads(bad_model, ids)
     v = judge_all(bad, eager, ref, shared_scale=True, nudged_errors=nudged)
     assert not v.ok and v.ratio > 3, str(v)
+
+
+class _Dropouts(torch.nn.Module):
+    """Dropout as CPU eager runs it (bernoulli_), as CUDA eager runs it (native_dropout, called
+    directly here), and stochastic depth's per-sample bernoulli_."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(23, 31), torch.nn.Linear(31, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.dropout(self.a(x), 0.3, training=True)
+        h = torch.ops.aten.native_dropout(h, 0.4, True)[0]
+        keep = h.new_empty(h.shape[0], 1).bernoulli_(0.5)
+        return self.b(h * keep)
+
+
+def test_random_draws_give_the_reference_eagers_masks() -> None:
+    """The fp64 reference replays the fp32 run's draws whatever its generator holds: its result
+    is eager's within rounding; drawing its own masks, it is another function altogether."""
+    from torchfuse.tools.accuracy import RandomDraws
+    torch.manual_seed(0)
+    model, x = _Dropouts(), _randn(11, 23, seed=4)
+    with RandomDraws() as drawn:
+        eager = model(x)
+    assert len(drawn.draws) == 3
+    ref_model = copy.deepcopy(model).double()
+    torch.manual_seed(1)
+    with RandomDraws(drawn.draws):
+        ref = ref_model(x.double())
+    torch.manual_seed(1)
+    unreplayed = ref_model(x.double())
+    assert rmse(eager, ref) < 1e-6 * ref.abs().max().item(), rmse(eager, ref)
+    assert rmse(eager, unreplayed) > 1e-2 * ref.abs().max().item()
+    with pytest.raises(RuntimeError, match="more random ops"):
+        with RandomDraws(drawn.draws[:2]):
+            ref_model(x.double())
+
+
+def test_random_draws_leave_seeded_but_deterministic_ops_alone() -> None:
+    """Attention and LSTM carry the nondeterministic_seeded tag (their dropout argument): with no
+    dropout they are plain arithmetic, and the reference keeps its own fp64 results."""
+    from torchfuse.tools.accuracy import RandomDraws
+    torch.manual_seed(0)
+    lstm, q = torch.nn.LSTM(6, 9, batch_first=True), _randn(2, 3, 5, 8, seed=5)
+    x = _randn(2, 5, 6, seed=6)
+    with RandomDraws() as drawn:
+        lstm(x)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    assert drawn.draws == []
+    lstm64 = copy.deepcopy(lstm).double()
+    with RandomDraws(drawn.draws):
+        out = lstm64(x.double())[0]
+        att = torch.nn.functional.scaled_dot_product_attention(q.double(), q.double(), q.double())
+    assert torch.equal(out, lstm64(x.double())[0]) and att.dtype == torch.float64

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MULTIPLIER = 1.5
 COSINE_MIN = 0.99
@@ -224,3 +225,47 @@ def nudge(model: torch.nn.Module, inputs: tuple, generator: torch.Generator,
     moved = tuple(x * (1 + input_noise * torch.randn(x.shape, generator=generator).to(x.device, x.dtype))
                   if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
     return moved_model, moved
+
+
+# Ops whose results are random draws (or, for native_dropout, a draw applied to the input).  Not
+# every op tagged nondeterministic_seeded: attention (its dropout_p) and LSTM/GRU carry the tag,
+# and their results must stay the reference's own.
+_DRAWS = {getattr(torch.ops.aten, name) for name in (
+    "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "uniform", "uniform_", "normal", "normal_", "exponential", "exponential_",
+    "cauchy", "cauchy_", "log_normal", "log_normal_", "geometric", "geometric_", "multinomial", "poisson")}
+
+
+class RandomDraws(TorchDispatchMode):
+    """Random ops' results recorded in one run (`replay` False) and handed out, in order, to
+    another run (`replay` True), cast to its dtype: the higher-precision reference then drops
+    the elements that eager's dropout dropped.  Seeding both runs alike is not enough, as the
+    draws may depend on the dtype (CUDA's fused dropout consumes its Philox stream in vectors
+    whose width follows the element size).  A dropout's output is recomputed from the replayed
+    mask in the run's own precision; any other random op's results are its recorded values."""
+
+    def __init__(self, draws: list | None = None) -> None:
+        super().__init__()
+        self.replay = draws is not None
+        self.draws: list = list(draws) if draws is not None else []
+        self._next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket not in _DRAWS:
+            return out
+        if not self.replay:
+            self.draws.append(pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, out))
+            return out
+        if self._next >= len(self.draws):
+            raise RuntimeError(f"{func}: more random ops than the recorded run had ({len(self.draws)})")
+        drawn, self._next = self.draws[self._next], self._next + 1
+        if func is torch.ops.aten.native_dropout.default:
+            x, p = args[0], args[1]
+            mask = drawn[1].to(out[1].device, out[1].dtype)
+            return x * mask * (1.0 / (1.0 - p) if p < 1 else 0.0), mask
+        with torch.no_grad():
+            for mine, recorded in zip(pytree.tree_leaves(out), pytree.tree_leaves(drawn)):
+                if isinstance(mine, torch.Tensor):
+                    mine.copy_(recorded)
+        return out

@@ -1,0 +1,128 @@
+"""benchmarks/zoo.py's accuracy judge on training rows: every judged run draws the reference's
+dropout mask, and a wrong lowering still fails, second chance (nudged eager runs) included."""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+_CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHFUSE_CACHE_DIR")
+_ENV = {var: os.environ.get(var) for var in _CACHE_VARS}
+import zoo  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zoo_caches():
+    """Importing zoo (and the benchmarks it imports) made fresh cache folders and pointed the
+    cache variables at them: both undone with this module's tests."""
+    yield
+    for var, value in _ENV.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    import cpu_bench
+    import gpu_bench
+    for root in (zoo._CACHE_ROOT, cpu_bench._CACHE_ROOT, gpu_bench._tmp):
+        shutil.rmtree(root, ignore_errors=True)
+
+
+class _BN(nn.BatchNorm2d):
+    """Train-mode batch norm, or one lowered wrongly: `defect` "epsilon" drops eps, "bessel"
+    normalizes by the unbiased variance."""
+
+    defect = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.defect:
+            return super().forward(x)
+        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=int(self.defect == "bessel"), keepdim=True)
+        y = (x - mean) * torch.rsqrt(var + (0.0 if self.defect == "epsilon" else self.eps))
+        return y * self.weight[:, None, None] + self.bias[:, None, None]
+
+
+class _SmallMobileNet(nn.Module):
+    """MobileNetV2's pieces in small: convolutions, train-mode batch norm, ReLU6, and dropout
+    (p=0.2) before the classifier.  `stride` 4 leaves 2x2 maps at batch 4 (a few values per
+    channel: ill-conditioned, as the zoo's CPU size is); 1 leaves 11x11 maps."""
+
+    def __init__(self, stride: int) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False), _BN(16), nn.ReLU6(),
+            nn.Conv2d(16, 16, 3, stride, 1, groups=16, bias=False), _BN(16), nn.ReLU6(),
+            nn.Conv2d(16, 24, 1, bias=False), _BN(24), nn.ReLU6())
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(24, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
+def _loss(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    return F.cross_entropy(out, torch.arange(out.shape[0]) % out.shape[1])
+
+
+def _judged_row(stride: int, compiled: str, defect: str = "") -> zoo.Row:
+    """A training row of eager and `compiled` (with `defect` in its copy of the model), judged
+    as zoo.run_row judges it."""
+    torch.manual_seed(0)
+    model = _SmallMobileNet(stride).train()
+    inputs = (torch.randn(4, 3, 21, 21, generator=torch.Generator().manual_seed(1)),)
+    row = zoo.Row("small_mobilenet", "mobile", "train", "fp32", "cpu", "cpu")
+    judge = zoo.Judge(row, model, inputs, _loss, [n for n, _ in model.named_parameters()])
+    for backend in ("eager", compiled):
+        torch._dynamo.reset()
+        m = copy.deepcopy(model)
+        for bn in m.modules():
+            if isinstance(bn, _BN) and backend != "eager":
+                bn.defect = defect
+        torch.manual_seed(99)   # whatever the generator held: the judged step draws the reference's mask
+        judge(backend, zoo.TrainStep(m, zoo.compile_with(backend, m), _loss, inputs).first())
+    return row
+
+
+@pytest.mark.parametrize("stride", [1, 4])
+def test_training_row_draws_one_dropout_mask(stride: int) -> None:
+    """Eager's error against fp64 is rounding (each run unseeded: another mask, and the
+    classifier's gradient as far off as its own size), and torchfuse passes."""
+    row = _judged_row(stride, "torchfuse")
+    assert row.results["eager"].err < 1e-4, row.results["eager"].err
+    assert row.results["torchfuse"].ok, row.notes
+    assert row.results["torchfuse"].err < 10, row.results["torchfuse"].err   # x eager's error, worst tensor
+
+
+@pytest.mark.parametrize("defect", ["epsilon", "bessel"])
+@pytest.mark.parametrize("stride", [1, 4])
+def test_wrong_batch_norm_fails_the_judge(stride: int, defect: str) -> None:
+    """A dropped epsilon or a variance with Bessel's correction in train-mode batch norm fails,
+    on 11x11 maps and on 2x2 maps alike, also against eager's error on nudged data (the defect
+    is in the model torchfuse compiles: a wrong lowering's result, and the judge is what is tested)."""
+    row = _judged_row(stride, "torchfuse", defect)
+    assert not row.results["torchfuse"].ok, row.notes
+    assert any("ACCURACY" in n for n in row.notes) and not any("ill-conditioned" in n for n in row.notes), row.notes
+
+
+@pytest.mark.parametrize("backend", ["inductor", "torchfuse"])
+def test_compiled_dropout_draws_eagers_mask(backend: str) -> None:
+    """From reset_rng, each compiler's dropout keeps eager's elements (Inductor's own Philox
+    stream, without fallback_random, keeps others)."""
+    model = nn.Sequential(nn.Linear(37, 53), nn.Dropout(0.3)).train()
+    x = torch.randn(5, 37, generator=torch.Generator().manual_seed(2))
+    zoo.reset_rng()
+    with torch.no_grad():
+        expected = model(x)
+        torch._dynamo.reset()
+        compiled = zoo.compile_with(backend, model)
+        torch.manual_seed(5)
+        compiled(x)                       # another mask: the generator moved on
+        zoo.reset_rng()
+        actual = compiled(x)
+    assert torch.equal(actual == 0, expected == 0)
+    torch.testing.assert_close(actual, expected)
