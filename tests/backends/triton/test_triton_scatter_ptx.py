@@ -69,10 +69,12 @@ def _scatter_kernel(fn, *args) -> dict:
     with launch.launch_hook(record):
         rep = torchfuse.explain(fn, *args, options={"cpu_backend": "triton", "first_calls": "wait"})
     sources = {k.name: k.source for k in rep.kernels}
-    found = [(n, t, c, w) for n, t, c, w in launches if "tl.atomic_add" in sources.get(n, "")]
+    # (a launch names the variant: <kernel>_tiled for a scatter's row tile)
+    found = [(n, t, c, w) for n, t, c, w in launches if "tl.atomic_add" in sources.get(re.sub("_tiled$", "", n), "")]
     assert len(found) == 1, [n for n, *_ in launches]
     name, types, constexprs, warps = found[0]
-    return {"name": name, "source": sources[name], "types": types, "constexprs": constexprs, "warps": warps}
+    return {"name": name, "source": sources[re.sub("_tiled$", "", name)], "types": types, "constexprs": constexprs,
+            "warps": warps}
 
 
 def test_scatter_add_of_wide_rows_vectorizes_on_sm90(tmp_path):
@@ -97,3 +99,6 @@ def test_scatter_add_of_wide_rows_vectorizes_on_sm90(tmp_path):
     forms = set(out.split())
     assert forms, f"no atomic in the kernel's PTX:\n{case['source']}"
     assert all(re.search(r"\.v[248]\.", f) for f in forms), f"scalar atomics {forms}:\n{case['source']}"
+    # the row tile (codegen.scatter_tile): the edge index is read once per row, [YBLOCK, 1]
+    assert case["name"].endswith("_tiled"), case["name"]
+    assert re.search(r"tl\.load\(\w+ \+ \(x0\) \+ yzero, mask=ymask", case["source"]), case["source"]

@@ -84,6 +84,8 @@ class TritonBackend(Backend):
         if tile is not None:
             ny, nx = (py_index(plan.outer[d]) for d in tile)
             helper, variants, sizes, kw = "_launch_tiled", [f"{kernel.name}_tiled"], [nx, ny, xnumel, big], {}
+            if any(m.buffer.scatter is not None for m in plan.members):
+                kw["rows"] = True       # whole rows per tile (launch.row_tile_blocks)
             sym = tuple(_symbolic(plan.outer[d]) for d in reversed(tile))
         elif kernel.kind == "pointwise":
             helper, variants, sizes, kw = "_launch_pointwise", [kernel.name], [xnumel, big], {}

@@ -1,7 +1,8 @@
 """Triton code generation: the same fused kernels (LoopPlan) as Triton JIT functions.
 
 Pointwise kernels are flat 1-D blocks over the merged loop nest, or 2-D [YBLOCK, XBLOCK] tiles
-(`<name>_tiled`) when an input is contiguous along another dim than the output (transposes).
+(`<name>_tiled`) when an input is contiguous along another dim than the output (transposes) or
+when a scatter writes rows whose index is read once per row (`scatter_tile`).
 A reduction whose input is contiguous across rows (column sums) is flagged (`rows_contiguous`)
 so the launcher gives its looped variant several rows per tile.  Reduction kernels are 2-D
 tiles [XBLOCK rows, RBLOCK reduced elements] and come in two variants in one module:
@@ -222,8 +223,10 @@ def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
     input's (y) lets Triton load along y and store along x, both coalesced (it converts the
     register layout through shared memory in between)."""
     n = len(plan.outer)
-    if plan.kernel.kind != "pointwise" or n < 2 or plan.kernel.scatter is not None:
+    if plan.kernel.kind != "pointwise" or n < 2:
         return None
+    if any(m.buffer.scatter is not None for m in plan.members):
+        return scatter_tile(plan)
     stored = [m for m in plan.members if m.buffer.name in plan.stored]
     xd = _unit_dim(stored[0].store, n) if stored else None
     if xd is None:
@@ -245,6 +248,29 @@ def tile_dims(plan: LoopPlan) -> tuple[int, int] | None:
     return None
 
 
+def scatter_tile(plan: LoopPlan) -> tuple[int, int] | None:
+    """(y dim, x dim) of a scatter kernel that writes whole rows (a GNN's messages summed into
+    their nodes, an embedding's gradient): x the row's contiguous dim, y a dim the scatter's
+    index is read along.  A flat block reads the index once per element (the same address
+    for a whole row: issue slots, and a `//` per lane); a [YBLOCK, XBLOCK] tile reads it once
+    per row (a [YBLOCK, 1] load) and its atomics still vectorize along x, as Inductor tiles
+    them.  None: the flat kernel (rows narrower than MIN_TILE_DIM, or no index to hoist)."""
+    n = len(plan.outer)
+    offsets = [split_guarded(m.store)[0] for m in plan.members if m.buffer.scatter is not None]
+    dims = {_unit_dim(off, n) for off in offsets}
+    if len(dims) != 1 or None in dims:
+        return None
+    xd = dims.pop()
+    width = plan.outer[xd]
+    if width.op != "const" or width.arg < MIN_TILE_DIM:
+        return None
+    along = {int(v.arg[1:]) for off in offsets for ld in walk(off) if ld.op == "load"
+             for v in walk(ld.args[0]) if v.op == "var" and v.arg[:1] == "x"} - {xd}
+    if not along:
+        return None
+    return max(along), xd
+
+
 def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> None:
     """Program id -> (tile along x, tile along y, the other dims), x tiles fastest."""
     em.line("pid = tl.program_id(0)")
@@ -256,6 +282,12 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, yd: int, xd: int) -> N
     em.line(f"x{yd} = ((pid // xtiles) % ytiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]")
     em.line(f"xmask = (x{xd} < xnumel) & (x{yd} < ynumel)")
     em.line("xzero = tl.zeros([YBLOCK, XBLOCK], tl.int32)   # gives scalar addresses the tile's shape")
+    if any(m.buffer.scatter is not None for m in plan.members):
+        # loads that do not move along x (the scatter's index, a per-row weight) are read
+        # once per row of the tile: [YBLOCK, 1] (TritonEmitter.row_var)
+        em.line(f"ymask = x{yd} < ynumel")
+        em.line("yzero = tl.zeros([YBLOCK, 1], tl.int32)")
+        em.row_var = f"x{xd}"
     rest = [k for k in range(len(plan.outer)) if k not in (xd, yd)]
     if rest:
         # Triton's interpreter fails a mask that combines the tile's mask with a comparison of

@@ -41,12 +41,22 @@ class TritonEmitter(ExprEmitter):
         self.evict: dict[str, str] | None = None
         self.checks: dict[Node, int] = {}       # run-time checks (codegen/checks.py) -> site
         self.ranges: dict[str, Node] = {}       # loop var -> size (indices known in range)
+        # In a scatter's 2-D tile: the loop var along the tile's rows (x); a load that depends
+        # on it nowhere (address, own mask, nested loads) is read once per row, [YBLOCK, 1]
+        # under `ymask`, and broadcast where it meets the tile
+        self.row_var: str | None = None
 
-    def _flag(self, site: int, bad: str, value: str) -> None:
+    def _row_only(self, n: Node) -> bool:
+        """In a scatter's row tile: `n` is the same all along a row (reads no x var)."""
+        return self.row_var is not None and self.mask == "xmask" and \
+            not any(v.op == "var" and v.arg == self.row_var for v in walk(n))
+
+    def _flag(self, site: int, bad: str, value: str, mask: str | None = None) -> None:
         """Record `value` where `bad` holds (in this program's live lanes) in the kernel's error
         slots (`tf_err`), which the wrapper reads after the graph (runtime/kernel_errors.py)."""
-        if self.mask != "None":
-            bad = f"{bad} & ({self.mask})"
+        mask = self.mask if mask is None else mask
+        if mask != "None":
+            bad = f"{bad} & ({mask})"
         b = f"f{self.count}"
         self.count += 1
         # (a check on sizes alone is a Python bool under the interpreter: made a tensor here)
@@ -101,10 +111,12 @@ class TritonEmitter(ExprEmitter):
             i, size = self.value(a[0]), self.index(a[1])
             w = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})") if a[2].arg else i
             ok = self.tmp(f"({w} >= 0) & ({w} < {size})")
-            self._flag(self.checks[n], f"({ok} == 0)", i)
+            self._flag(self.checks[n], f"({ok} == 0)", i, "ymask" if self._row_only(n) else None)
             return f"tl.where({ok}, {w}, 0)"     # (never a load outside the tensor)
         if o == "load":
-            mask = self.mask
+            mask, zero = self.mask, "xzero"
+            if self._row_only(n):
+                mask, zero = "ymask", "yzero"
             if len(a) == 2:
                 own = self.value(a[1])
                 mask = own if mask == "None" else f"{mask} & {own}"
@@ -112,7 +124,7 @@ class TritonEmitter(ExprEmitter):
             if self.evict is not None:
                 rowwise = any(v.op == "var" and v.arg.startswith("x") for v in walk(a[0]))
                 hint = f", eviction_policy='{self.evict.get(n.arg, 'evict_first') if rowwise else 'evict_last'}'"
-            raw = f"tl.load({n.arg} + ({self.index(a[0])}) + xzero, mask={mask}, other=0{hint})"
+            raw = f"tl.load({n.arg} + ({self.index(a[0])}) + {zero}, mask={mask}, other=0{hint})"
             sdt = self.buffers[n.arg]
             if sdt in (torch.float16, torch.bfloat16):
                 raw += ".to(tl.float32)"

@@ -40,6 +40,7 @@ COLUMN_MIN_XBLOCK = 16
 COLUMN_ELEMENTS = 8192  # elements per tile and step of that loop (XBLOCK x RBLOCK)
 COLUMN_WARPS = 16
 TILE_ELEMENTS = 4096
+ROW_TILE_XBLOCK = 256    # widest row a scatter's row tile covers (a .v8 bf16 atomic per lane x 32)
 
 _modules: "OrderedDict[str, ModuleType]" = OrderedDict()   # LRU, bounded by config.memory_cache_size
 _autotune_modules: dict[str, bool] = {}
@@ -419,8 +420,19 @@ def tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, int, 
     return xblock, yblock, 8 if tile >= 8192 else 4 if tile >= 2048 else 2
 
 
+def row_tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, int, int]:
+    """(XBLOCK, YBLOCK, warps) of a scatter's row tile (codegen.scatter_tile): a whole row of up
+    to ROW_TILE_XBLOCK elements along x, so each row's index is read by one tile only, and as
+    many rows as fill the 16 KB tile along y."""
+    elements = TILE_ELEMENTS * 2 if itemsize <= 2 else TILE_ELEMENTS
+    xblock = min(_next_pow2(xnumel), ROW_TILE_XBLOCK)
+    yblock = max(1, min(_next_pow2(ynumel), elements // xblock))
+    tile = xblock * yblock
+    return xblock, yblock, 8 if tile >= 8192 else 4 if tile >= 2048 else 2
+
+
 def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, args: tuple,
-                sym: tuple = ()) -> tuple:
+                sym: tuple = (), rows: bool = False) -> tuple:
     others = numel // (xnumel * ynumel)
 
     def plan(xblock: int, yblock: int, warps: int) -> tuple:
@@ -431,8 +443,9 @@ def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, ar
     # Precompile plans with dtypes in place of tensors; the plan it makes is the one kept.
     itemsize = max((a.element_size() if isinstance(a, _Tensor) else a.itemsize
                     for a in args if isinstance(a, (_Tensor, _dtype))), default=4)
-    xblock, yblock, warps = tile_blocks(_LARGE if sym and sym[0] else xnumel, _LARGE if sym and sym[1] else ynumel,
-                                        itemsize)
+    blocks = row_tile_blocks if rows else tile_blocks
+    xblock, yblock, warps = blocks(_LARGE if sym and sym[0] else xnumel, _LARGE if sym and sym[1] else ynumel,
+                                   itemsize)
     if _tuning(kernel) and numel >= 4096:
         key = f"{kernel.fn.__name__}:{kernel.fn.__module__}:{_next_pow2(xnumel)}:{_next_pow2(ynumel)}"
         cands = [(x, y, w) for x, y in ((32, 32), (64, 64), (128, 32), (32, 128), (64, 32), (32, 64))
@@ -441,14 +454,16 @@ def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, ar
     return plan(xblock, yblock, warps)
 
 
-def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any, sym: tuple = ()) -> Any:
-    """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims."""
+def launch_tiled(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, *args: Any, sym: tuple = (),
+                 rows: bool = False) -> Any:
+    """A [YBLOCK, XBLOCK] tile per program; x tiles vary fastest, then y tiles, then the other dims
+    (`rows`: a scatter's row tile, row_tile_blocks)."""
     plans = kernel.__dict__.get("_tf_plans") or _plans(kernel)
     plan = plans.get((xnumel, ynumel, numel, big))
     if plan is None:
         if numel == 0:
             return
-        plan = plans[(xnumel, ynumel, numel, big)] = _tiled_plan(kernel, xnumel, ynumel, numel, big, args, sym)
+        plan = plans[(xnumel, ynumel, numel, big)] = _tiled_plan(kernel, xnumel, ynumel, numel, big, args, sym, rows)
     return _run(plan, args)
 
 
