@@ -82,6 +82,25 @@ def test_index_add_along_a_middle_dim(tf):
     assert len(sources) == 1 and _row_tiled(sources[0]), sources
 
 
+@pytest.mark.parametrize("heads, channels, joined", [(4, 16, True), (3, 20, True), (8, 64, False)])
+def test_heads_join_the_row(tf, heads, channels, joined):
+    # a GAT's messages [edges, heads, channels] summed into [nodes, heads, channels]: heads and
+    # channels are one contiguous row, covered by x while it fits ROW_TILE_XBLOCK (256)
+    n, e = 23, 89
+    x, alpha = tf.rand((n, heads, channels)), tf.rand((e, heads))
+    ei = torch.randint(0, n, (2, e))
+
+    def gat(x, alpha, ei):
+        msg = x.index_select(0, ei[0]) * alpha.unsqueeze(-1)
+        return torch.zeros(n, heads, channels).index_add_(0, ei[1], msg)
+
+    sources = _scatter_sources(tf.check(gat, x, alpha, ei, options=TRITON))
+    assert len(sources) == 1 and _row_tiled(sources[0]), sources
+    assert ("xrow = " in sources[0]) == joined, sources[0]
+    if joined:      # no dim left outside the tile
+        assert "zindex" not in sources[0], sources[0]
+
+
 def test_scatter_amax_rows(tf):
     x, idx = tf.rand((70, 24)), torch.randint(0, 9, (70,))
     fn = lambda x, i: torch.full((9, 24), -5.0).scatter_reduce(   # noqa: E731

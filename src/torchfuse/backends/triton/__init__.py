@@ -82,11 +82,12 @@ class TritonBackend(Backend):
         tile = codegen.tile_dims(plan)
         register_only: set[str] = set()
         if tile is not None:
-            ny, nx = (py_index(plan.outer[d]) for d in tile)
+            xsize = product([plan.outer[d] for d in tile.xs])
+            ny, nx = py_index(plan.outer[tile.y]), py_index(xsize)
             helper, variants, sizes, kw = "_launch_tiled", [f"{kernel.name}_tiled"], [nx, ny, xnumel, big], {}
             if any(m.buffer.scatter is not None for m in plan.members):
                 kw["rows"] = True       # whole rows per tile (launch.row_tile_blocks)
-            sym = tuple(_symbolic(plan.outer[d]) for d in reversed(tile))
+            sym = (_symbolic(xsize), _symbolic(plan.outer[tile.y]))
         elif kernel.kind == "pointwise":
             helper, variants, sizes, kw = "_launch_pointwise", [kernel.name], [xnumel, big], {}
             sym = (_symbolic(product(plan.outer)),)

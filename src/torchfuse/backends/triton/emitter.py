@@ -41,15 +41,15 @@ class TritonEmitter(ExprEmitter):
         self.evict: dict[str, str] | None = None
         self.checks: dict[Node, int] = {}       # run-time checks (codegen/checks.py) -> site
         self.ranges: dict[str, Node] = {}       # loop var -> size (indices known in range)
-        # In a scatter's 2-D tile: the loop var along the tile's rows (x); a load that depends
-        # on it nowhere (address, own mask, nested loads) is read once per row, [YBLOCK, 1]
+        # In a scatter's 2-D tile: the loop vars along the tile's rows (x); a load that depends
+        # on none of them (address, own mask, nested loads) is read once per row, [YBLOCK, 1]
         # under `ymask`, and broadcast where it meets the tile
-        self.row_var: str | None = None
+        self.row_vars: frozenset[str] = frozenset()
 
     def _row_only(self, n: Node) -> bool:
         """In a scatter's row tile: `n` is the same all along a row (reads no x var)."""
-        return self.row_var is not None and self.mask == "xmask" and \
-            not any(v.op == "var" and v.arg == self.row_var for v in walk(n))
+        return bool(self.row_vars) and self.mask == "xmask" and \
+            not any(v.op == "var" and v.arg in self.row_vars for v in walk(n))
 
     def _flag(self, site: int, bad: str, value: str, mask: str | None = None) -> None:
         """Record `value` where `bad` holds (in this program's live lanes) in the kernel's error
