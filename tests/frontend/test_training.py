@@ -235,6 +235,35 @@ def test_min_cut_partitioner_saves_less_for_the_backward(monkeypatch):
     assert min_cut < 0.75 * everything, (min_cut, everything)
 
 
+@pytest.mark.parametrize("gather", ["index_select", "index"])
+def test_gathered_messages_are_recomputed_not_saved(monkeypatch, gather):
+    """A GAT layer: node features gathered along the edges ([edges, heads, channels]), weighted
+    by a per-edge score whose softmax scatters by the same edge index, summed into the nodes.
+    The forward saves the node features and the scores, not the gathered messages (E / N times
+    larger): the backward gathers again inside its kernel."""
+    saved = _spy_saved_bytes(monkeypatch)
+    n, e, heads, ch = 40, 300, 4, 16
+    x, att = randn(n, heads, ch).requires_grad_(), randn(1, heads, ch).requires_grad_()
+    ei = torch.randint(0, n, (2, e))
+    ei[:, 0] = torch.tensor([0, n - 1])
+
+    def gat(x, att, ei):
+        src, dst = ei[0], ei[1]
+        x_j = x.index_select(0, src) if gather == "index_select" else x[src]
+        score = (x_j * att).sum(-1).exp()                          # [edges, heads]
+        total = torch.zeros(n, heads).index_add(0, dst, score)
+        alpha = score / total.index_select(0, dst)
+        return torch.zeros(n, heads, ch).index_add(0, dst, x_j * alpha.unsqueeze(-1)).tanh()
+
+    ref_x, ref_att = x.detach().clone().requires_grad_(), att.detach().clone().requires_grad_()
+    gat(ref_x, ref_att, ei).square().sum().backward()
+    torch.compile(gat, backend="torchfuse")(x, att, ei).square().sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(att.grad, ref_att.grad, rtol=1e-4, atol=1e-5)
+    messages = e * heads * ch * 4
+    assert len(saved) == 1 and saved[0] < messages // 2, (saved, messages)
+
+
 @pytest.mark.parametrize("options", [{}, {"cpu_backend": "triton"}], ids=["cpp", "triton"])
 def test_relu_and_max_pool_save_no_float_activation(monkeypatch, options):
     """conv -> relu -> max pool -> conv: the forward saves relu's bool mask (its backward is

@@ -132,7 +132,7 @@ def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
     - the input of a max pooling, which its backward reads for its shape and strides only (the
       indices say where the gradient goes): it was saved for the backward, a full activation
       per pooling (a ResNet's stem: [batch, 64, 112, 112]), where Inductor saves none.
-    and after marking an input's re-layout copy for recomputation (`_recompute_input_relayouts`)."""
+    and after rewriting row gathers into `aten.index` (`_index_select_as_index`) and marking an input's re-layout copy for recomputation (`_recompute_input_relayouts`)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     graph = joint.graph
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)):
@@ -143,6 +143,7 @@ def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
     for node in list(graph.find_nodes(op="call_function", target=pool_backward)):
         _shape_only_input(graph, node, 1)
     _recompute_input_relayouts(graph)
+    _index_select_as_index(graph)
     joint.recompile()
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     _saved_values_early(forward)
@@ -198,6 +199,40 @@ def _recompute_input_relayouts(graph: fx.Graph) -> None:
         src = node.args[0]
         if isinstance(src, fx.Node) and src.op == "placeholder" and str(src.target).startswith("primals") \
                 and node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _index_select_as_index(graph: fx.Graph) -> None:
+    """`index_select(x, dim, idx)` with a 1-D index as `x[..., idx]` (`aten.index`), as Inductor's
+    decompositions write it, and a gather at least as large as its input recomputed in the
+    backward rather than saved.  The partitioner never recomputes `index_select` (not in its
+    allowlist), and kept a GAT's gathered messages ([edges, heads, channels], 1 GB a layer at a
+    million edges) even as `aten.index` (its "used far apart" rule: the edge index also feeds
+    an unfusible scatter); so they were written in the forward and read back in the backward,
+    where a recomputed gather reads the node features again, fused into the backward's kernel,
+    and writes nothing.  A gather smaller than its input (a few rows of a large activation)
+    is left to the partitioner: recomputing it would keep the whole input alive."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.index_select.default)):
+        x, dim, idx = node.args
+        xval = x.meta.get("val") if isinstance(x, fx.Node) else None
+        ival = idx.meta.get("val") if isinstance(idx, fx.Node) else None
+        if not isinstance(xval, torch.Tensor) or not isinstance(ival, torch.Tensor) or ival.ndim != 1 \
+                or xval.ndim == 0:
+            continue
+        dim = dim % xval.ndim
+        with graph.inserting_before(node):
+            gather = graph.call_function(torch.ops.aten.index.Tensor, (x, [None] * dim + [idx]))
+        gather.meta.update(node.meta)
+        node.replace_all_uses_with(gather)
+        graph.erase_node(node)
+    for node in graph.find_nodes(op="call_function", target=torch.ops.aten.index.Tensor):
+        x, indices = node.args[:2]
+        idx_vals = [i.meta.get("val") for i in indices if isinstance(i, fx.Node)]
+        if "recompute" in node.meta or not idx_vals or \
+                any(not isinstance(v, torch.Tensor) or v.dtype in (torch.bool, torch.uint8) for v in idx_vals):
+            continue
+        if isinstance(x, fx.Node) and _nbytes(node) >= _nbytes(x) > 0:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
 
 
