@@ -57,9 +57,10 @@ def test_embedding_bag_sum_weighted_and_mean_padded(tf, bag_kernels_on, backend,
     assert not any("embedding_bag" in f.op for f in e.fallbacks)
     fwd = [k for k in e.kernels if not k.graph.endswith("_backward")]
     # the positions searchsorted reads; per bag: init + gather-weight-scatter (mean: the count's
-    # init + scatter and the division too); tanh; and what the backward saves (bags, counts; the
-    # gathered rows are stored by the scatter kernel that gathers them)
-    assert len(fwd) == 10, e
+    # init + scatter and the division too); tanh; and what the backward saves (bags, counts).  The
+    # gathered rows (more than the table's) are gathered again in the backward, not saved
+    # (frontend/dynamo.py `_index_select_as_index`)
+    assert len(fwd) == 9, e
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

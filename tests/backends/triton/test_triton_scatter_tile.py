@@ -125,3 +125,21 @@ def test_out_of_range_index_raises(tf):
                              options={**TRITON, "strict": True})
     with pytest.raises(IndexError, match="index 11 is out of bounds"):
         compiled(x, idx)
+
+
+def test_scatter_kernels_are_never_autotuned(tf, monkeypatch):
+    # the autotuner runs each candidate configuration many times: an atomic add would add again
+    from types import SimpleNamespace
+
+    from torchfuse.backends.triton import launch
+    x, idx = tf.rand((64, 32)), torch.randint(0, 9, (64,))
+    got = tf.check(lambda x, i: torch.zeros(9, 32).index_add_(0, i, x.exp()) + 1, x, idx, options=TRITON)
+    sources = _scatter_sources(got)
+    assert len(sources) == 1 and re.search(r"^poi_\w+_tiled\._tf_no_tune = True$", sources[0], re.M), sources
+    others = [k.source for k in got.kernels if k.source not in sources]
+    assert others and not any("_tf_no_tune" in s for s in others), others
+    monkeypatch.setitem(launch._autotune_modules, "tf_module", True)
+    kernel = SimpleNamespace(fn=SimpleNamespace(__module__="tf_module", __name__="k"))
+    assert launch._tuning(kernel)
+    kernel._tf_no_tune = True
+    assert not launch._tuning(kernel)

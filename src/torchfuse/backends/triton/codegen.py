@@ -135,6 +135,12 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype],
             _emit_reduction_body(em, plan, persistent)
             suffix = "_persistent" if persistent else "_looped"
             out.append(f"{jit}\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
+    if any(m.buffer.scatter is not None for m in plan.members) or set(read) & set(written):
+        # an atomic update or an in-place write gives another result when run again: never
+        # timed by the autotuner (launch._tuning), which runs each candidate many times
+        out.append("\n".join(f"{kernel.name}{v}._tf_no_tune = True"
+                             for v in (("_tiled",) if tile is not None else ("",) if kernel.kind == "pointwise"
+                                       else ("_persistent", "_looped"))))
     return "\n\n\n".join(out), read + written, syms_list
 
 

@@ -163,7 +163,9 @@ def _autotune(kernel: Any, key: str, candidates: list[tuple[int, ...]], launch) 
 
 
 def _tuning(kernel: Any) -> bool:
-    return _autotune_modules.get(kernel.fn.__module__, False)
+    """Autotune this kernel's launches?  Never one that does not compute the same when run again
+    (atomics, in-place updates: codegen marks them `_tf_no_tune`)."""
+    return _autotune_modules.get(kernel.fn.__module__, False) and not getattr(kernel, "_tf_no_tune", False)
 
 
 # --------------------------------------------------------------------------------------------
