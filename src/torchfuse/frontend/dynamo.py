@@ -211,7 +211,10 @@ def _index_select_as_index(graph: fx.Graph) -> None:
     an unfusible scatter); so they were written in the forward and read back in the backward,
     where a recomputed gather reads the node features again, fused into the backward's kernel,
     and writes nothing.  A gather smaller than its input (a few rows of a large activation)
-    is left to the partitioner: recomputing it would keep the whole input alive."""
+    is left to the partitioner: recomputing it would keep the whole input alive.  (Marking an
+    `index_select` for recomputation alone is not enough: the partitioner counts it as
+    unfusible with its readers, and saved them instead.)  One difference on bad input, as under
+    Inductor: a negative index, which eager's index_select refuses, counts from the end."""
     from torch.utils.checkpoint import CheckpointPolicy
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.index_select.default)):
         x, dim, idx = node.args
