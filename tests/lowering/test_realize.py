@@ -433,6 +433,33 @@ def test_gat_layer_gradients_with_stored_scores(tf):
         [(k.name, k.nodes) for k in e.kernels]
 
 
+def _gathered_rows_summed_and_scattered(g, x, alpha, src, dst):
+    # a GAT layer's backward: the output gradient gathered by target node ([edges, heads,
+    # channels]), summed with the source features (the attention gradient) and, weighted,
+    # index_added into the source nodes (the features' gradient)
+    gathered = g.index_select(0, dst)
+    att = (gathered * x.index_select(0, src)).sum(-1)
+    return att, torch.zeros_like(x).index_add(0, src, gathered * alpha.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("gpu, width, stored", [(True, 32, False), (True, 3, True), (False, 32, True)],
+                         ids=["gpu-rows", "gpu-narrow", "cpu"])
+def test_gathered_rows_read_by_a_scatter_and_a_sum(tf, monkeypatch, gpu, width, stored):
+    """On a GPU a gather of whole rows (32 x 4 bytes here) read by two kernels is gathered again
+    by each rather than stored (`realize.gathers_rows`): the same bytes read, no copy written.
+    Narrow rows, and the CPU (where a gather costs more than a streaming read), store it."""
+    from torchfuse.lowering import realize
+    monkeypatch.setattr(realize, "on_gpu", lambda lowering: gpu)
+    nodes, edges, heads = 17, 40000 // (3 * width), 3      # (stored only from 32768 elements)
+    g, x = tf.rand((nodes, heads, width)), tf.rand((nodes, heads, width))
+    alpha = tf.rand((edges, heads))
+    src, dst = torch.randint(0, nodes, (edges,)), torch.randint(0, nodes, (edges,))
+    e = tf.check(_gathered_rows_summed_and_scattered, g, x, alpha, src, dst, options={"cpu_backend": "triton"},
+                 atol=1e-4, rtol=1e-4)
+    gathered = [k for k in e.kernels if any("index_select" in w for w in k.writes)]
+    assert bool(gathered) == stored, [(k.name, k.writes) for k in e.kernels]
+
+
 def _gathered_gradient_matmuls(g: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # a sequence-parallel linear layer's backward: the all-gathered gradient (ranks stacked on
     # dim 0) re-concatenated along the sequence, read by the input-gradient matmul and,

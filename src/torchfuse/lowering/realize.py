@@ -17,7 +17,8 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
   sin and cos tables, read by every batch and head);
 - several scatters would each compute it, in kernels of their own, at a higher cost than
   storing it (`scatter_recomputes`: a GAT layer's edge scores; never an index expanded over
-  heads, which each scatter reads at its smaller size).
+  heads, which each scatter reads at its smaller size, nor on a GPU a gather of whole rows,
+  `gathers_rows`).
 Where it is stored: channels-last when computed from channels-last buffers only
 (`channels_last_inputs`); row-major when computed from smaller inputs only and read by kernels
 only (`broadcast_only_for_kernels`); an attention bias with aligned strides, once per broadcast mask
@@ -36,7 +37,7 @@ import torch.fx as fx
 from ..ir.buffers import ComputedValue, Layout, StridedValue, TensorValue, Unsupported, is_row_major
 from .registry import LOWERINGS, REDUCTIONS, SCATTERS, is_view
 from .values import ATTENTION_BIAS_ARG, CONVOLUTIONS, aligned_bias_layout, is_dense, layout_of, meta_val, misaligned, shape_of
-from ..ir.nodes import EXPENSIVE_OPS, Node, const, cost, unit_move, var
+from ..ir.nodes import EXPENSIVE_OPS, Node, const, cost, substitute, unit_move, var
 from ..ir.nodes import loads as _loads, walk as _walk
 
 log = logging.getLogger("torchfuse.lowering")
@@ -59,7 +60,7 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
         body = _body(value)
         if cost(body) > config.inline_max_cost:
             return True
-        why = scatter_recomputes(node, value, body)
+        why = "" if on_gpu(lowering) and gathers_rows(value, body) else scatter_recomputes(node, value, body)
         if why:
             value.stored_because = why        # (explain() lists it with the refused fusions)
             log.debug("%s: stored, %s", node.name, why)
@@ -140,6 +141,39 @@ def scatter_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> str:
     return (f"{k} kernels read it, {len(scatters)} of them scatters ({', '.join(u.name for u in scatters)}), "
             f"and each would compute it (cost {per_eval} an element, {k * per_eval} in all, where storing "
             f"costs {per_eval + k + 1})")
+
+
+# A gathered row at least this long (bytes) is read as whole cache lines however it is gathered
+ROW_GATHER_BYTES = 128
+
+
+def on_gpu(lowering: Any) -> bool:
+    return lowering.device is not None and lowering.device.type == "cuda"
+
+
+def gathers_rows(value: ComputedValue, body: Node) -> bool:
+    """Is the value a gather of whole rows (`grad[dst]` of [nodes, heads, channels] rows, and
+    nothing computed on them but a cast)?  On a GPU, where these kernels are memory-bound, each
+    reader gathering the rows again reads the bytes it would read from a stored copy, and the
+    copy's write (and its memory) is saved: a GAT training step's backward stored its gathered
+    gradient ([edges, heads, channels], 1 GB a layer at a million edges) for the index_add and
+    the attention gradient's sum to read (`scatter_recomputes` counts a gather as compute, as
+    it is on a CPU).  Rows of ROW_GATHER_BYTES or more: a narrower row (a per-edge score
+    gathered from [nodes, heads]) reads whole sectors for a few bytes, where a stored copy is
+    read contiguously."""
+    while body.op == "cast":
+        body = body.args[0]
+    if body.op != "load" or not value.ndim:
+        return False
+    address = body.args[0]
+    inner = [x for x in _walk(address) if x.op == "load"]
+    last = var(f"i{value.ndim - 1}")
+    if not inner or any(last in _walk(ld) for ld in inner):
+        return False
+    gathered = {x: const(0) for x in _walk(address) if x.op in ("load", "check_index")}
+    width = value.shape[-1]
+    return unit_move(substitute(address, gathered), last.arg) == 1 and width.op == "const" and \
+        int(width.arg) * value.dtype.itemsize >= ROW_GATHER_BYTES
 
 
 def _broadcasts_smaller(node: fx.Node) -> bool:
