@@ -132,7 +132,8 @@ def _min_cut_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
     - the input of a max pooling, which its backward reads for its shape and strides only (the
       indices say where the gradient goes): it was saved for the backward, a full activation
       per pooling (a ResNet's stem: [batch, 64, 112, 112]), where Inductor saves none.
-    and after rewriting row gathers into `aten.index` (`_index_select_as_index`) and marking an input's re-layout copy for recomputation (`_recompute_input_relayouts`)."""
+    and after rewriting row gathers into `aten.index` (`_index_select_as_index`) and marking an
+    input's re-layout copy for recomputation (`_recompute_input_relayouts`)."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     graph = joint.graph
     for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.detach.default)):

@@ -85,7 +85,7 @@ class TritonBackend(Backend):
             xsize = product([plan.outer[d] for d in tile.xs])
             ny, nx = py_index(plan.outer[tile.y]), py_index(xsize)
             helper, variants, sizes, kw = "_launch_tiled", [f"{kernel.name}_tiled"], [nx, ny, xnumel, big], {}
-            if any(m.buffer.scatter is not None for m in plan.members):
+            if plan.kernel.scatter is not None:
                 kw["rows"] = True       # whole rows per tile (launch.row_tile_blocks)
             sym = (_symbolic(xsize), _symbolic(plan.outer[tile.y]))
         elif kernel.kind == "pointwise":

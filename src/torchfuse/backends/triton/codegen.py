@@ -135,7 +135,7 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype],
             _emit_reduction_body(em, plan, persistent)
             suffix = "_persistent" if persistent else "_looped"
             out.append(f"{jit}\ndef {kernel.name}{suffix}({params}):\n" + "\n".join(em.lines))
-    if any(m.buffer.scatter is not None for m in plan.members) or set(read) & set(written):
+    if plan.kernel.scatter is not None or set(read) & set(written):
         # an atomic update or an in-place write gives another result when run again: never
         # timed by the autotuner (launch._tuning), which runs each candidate many times
         out.append("\n".join(f"{kernel.name}{v}._tf_no_tune = True"
@@ -244,7 +244,7 @@ def tile_dims(plan: LoopPlan) -> Tile | None:
     n = len(plan.outer)
     if plan.kernel.kind != "pointwise" or n < 2:
         return None
-    if any(m.buffer.scatter is not None for m in plan.members):
+    if plan.kernel.scatter is not None:
         return scatter_tile(plan)
     stored = [m for m in plan.members if m.buffer.name in plan.stored]
     xd = _unit_dim(stored[0].store, n) if stored else None
@@ -310,22 +310,18 @@ def _emit_tile_indices(em: TritonEmitter, plan: LoopPlan, tile: Tile) -> None:
     em.line("    pid = pid.to(tl.int64)")
     em.line("xtiles = (xnumel + XBLOCK - 1) // XBLOCK")
     em.line("ytiles = (ynumel + YBLOCK - 1) // YBLOCK")
-    if len(tile.xs) == 1:
-        em.line(f"x{xd} = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]")
-        em.line(f"x{yd} = ((pid // xtiles) % ytiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]")
-        em.line(f"xmask = (x{xd} < xnumel) & (x{yd} < ynumel)")
-    else:
-        em.line("xrow = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]")
-        em.line(f"x{yd} = ((pid // xtiles) % ytiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]")
-        em.line(f"xmask = (xrow < xnumel) & (x{yd} < ynumel)")
-        inner = 1
-        for k in reversed(tile.xs):
-            size = int(plan.outer[k].arg)
-            base = "xrow" if inner == 1 else f"(xrow // {inner})"
-            em.line(f"x{k} = {base}" + (f" % {size}" if k != tile.xs[0] else ""))
-            inner *= size
+    row = f"x{xd}" if len(tile.xs) == 1 else "xrow"     # (several dims: unflattened below)
+    em.line(f"{row} = (pid % xtiles) * XBLOCK + tl.arange(0, XBLOCK)[None, :]")
+    em.line(f"x{yd} = ((pid // xtiles) % ytiles) * YBLOCK + tl.arange(0, YBLOCK)[:, None]")
+    em.line(f"xmask = ({row} < xnumel) & (x{yd} < ynumel)")
+    inner = 1
+    for k in reversed(tile.xs if len(tile.xs) > 1 else ()):
+        size = int(plan.outer[k].arg)
+        base = "xrow" if inner == 1 else f"(xrow // {inner})"
+        em.line(f"x{k} = {base}" + (f" % {size}" if k != tile.xs[0] else ""))
+        inner *= size
     em.line("xzero = tl.zeros([YBLOCK, XBLOCK], tl.int32)   # gives scalar addresses the tile's shape")
-    if any(m.buffer.scatter is not None for m in plan.members):
+    if plan.kernel.scatter is not None:
         # loads that do not move along x (the scatter's index, a per-row weight) are read
         # once per row of the tile: [YBLOCK, 1] (TritonEmitter.row_vars)
         em.line(f"ymask = x{yd} < ynumel")

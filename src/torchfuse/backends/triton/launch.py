@@ -418,8 +418,7 @@ def tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, int, 
     yblock = min(TILE_BLOCK, _next_pow2(ynumel))
     xblock = min(_next_pow2(xnumel), max(TILE_BLOCK, elements // yblock))
     yblock = min(_next_pow2(ynumel), max(yblock, elements // xblock))
-    tile = xblock * yblock
-    return xblock, yblock, 8 if tile >= 8192 else 4 if tile >= 2048 else 2
+    return xblock, yblock, _tile_warps(xblock * yblock)
 
 
 def row_tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, int, int]:
@@ -429,8 +428,11 @@ def row_tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, i
     elements = TILE_ELEMENTS * 2 if itemsize <= 2 else TILE_ELEMENTS
     xblock = min(_next_pow2(xnumel), ROW_TILE_XBLOCK)
     yblock = max(1, min(_next_pow2(ynumel), elements // xblock))
-    tile = xblock * yblock
-    return xblock, yblock, 8 if tile >= 8192 else 4 if tile >= 2048 else 2
+    return xblock, yblock, _tile_warps(xblock * yblock)
+
+
+def _tile_warps(tile: int) -> int:
+    return 8 if tile >= 8192 else 4 if tile >= 2048 else 2
 
 
 def _tiled_plan(kernel: Any, xnumel: int, ynumel: int, numel: int, big: bool, args: tuple,
