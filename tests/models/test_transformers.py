@@ -185,6 +185,79 @@ def test_moe_decoder_inference(name, backend):
     assert d["graphs_compiled"] >= 1 and d["kernels_generated"] >= 1 and d["eager_fallbacks"] == 0
 
 
+def _llama(transformers):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None       # decode exactly the tokens asked for
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_generate_with_a_static_cache(backend):
+    """transformers' `generate(cache_implementation="static")` with the forward compiled, as
+    users decode: the same tokens as eager, no graph run eagerly, and the cache's keys and values
+    written in place by generated kernels: no ATen call (index_copy_, a copy-back) takes a whole
+    cache tensor, as eager's do, and the cache holds eager's values after the call."""
+    transformers = _transformers()
+    from torchfuse.config import Config
+    from torchfuse.frontend.dynamo import TorchfuseBackend
+    from torchfuse.report import Explanation
+    options = {"strict": True, "first_calls": "wait"}
+    if backend == "triton":
+        pytest.importorskip("triton")
+        options["cpu_backend"] = "triton"
+    torch.manual_seed(0)
+    model = _llama(transformers)
+    ids = torch.randint(1, 128, (2, 7))
+
+    def generate(n: int):
+        kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
+                      return_dict_in_generate=True)
+        try:
+            return model.generate(ids, attention_mask=torch.ones_like(ids), disable_compile=True, **kwargs)
+        except (TypeError, ValueError):           # transformers without `disable_compile`
+            return model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+
+    def cache_tensors(cache) -> list[torch.Tensor]:
+        if hasattr(cache, "layers"):                      # transformers 5
+            return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return list(cache.key_cache) + list(cache.value_cache)
+
+    def cache_writes_through_aten() -> int:
+        """ATen calls during a 3-token generate whose first operand is a whole cache tensor."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            out = generate(3)
+        shape = list(cache_tensors(out.past_key_values)[0].shape)
+        return sum(1 for e in prof.events() if e.name in ("aten::index_copy_", "aten::index_put_", "aten::copy_",
+                                                         "aten::_index_put_impl_", "aten::index_copy")
+                   and e.input_shapes and list(e.input_shapes[0]) == shape)
+
+    with torch.no_grad():
+        expected = generate(5)
+        eager_cache = [t.clone() for t in cache_tensors(expected.past_key_values)]
+        assert cache_writes_through_aten() > 0        # eager writes the cache with index_copy_
+        report = Explanation()
+        torch._dynamo.reset()
+        start = snapshot()
+        model.forward = torch.compile(model.forward, backend=TorchfuseBackend(Config.from_options(options),
+                                                                              report=report))
+        got = generate(5)
+        d = delta(start)
+        assert cache_writes_through_aten() == 0
+    assert torch.equal(got.sequences, expected.sequences)
+    assert d["graphs_compiled"] == 2 and d["eager_fallbacks"] == 0, d       # prefill and one decode step
+    fallback_ops = {f.op.split(".")[1] for f in report.fallbacks}
+    assert not fallback_ops & {"index_copy", "index_copy_", "index_put", "index_put_", "copy_", "copy"}, \
+        fallback_ops
+    assert any("index_copy" in " ".join(k.nodes) for k in report.kernels), [k.name for k in report.kernels]
+    for t, e in zip(cache_tensors(got.past_key_values), eager_cache):
+        torch.testing.assert_close(t, e, atol=1e-5, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------
 # a small ResNet-style CNN
 # ------------------------------------------------------------------------------------------
