@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
+import sys
 
-os.environ.setdefault("TORCHFUSE_FIRST_CALLS", "wait")   # time the generated kernels, not the ATen tier
-import torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import gpu_bench  # noqa: E402  (fresh caches, first calls wait for kernels; before torch is imported)
+import torch  # noqa: E402
 
-import torchfuse  # noqa: F401  (registers the backend)
-from torchfuse.backends.triton import launch
+from torchfuse.backends.triton import launch  # noqa: E402
 
 
 def graphs(n: int, e: int, width: int, dtype: torch.dtype) -> dict:
@@ -52,19 +52,10 @@ def graphs(n: int, e: int, width: int, dtype: torch.dtype) -> dict:
     return {"gcn": (gcn, (x, src, dst, w)), "gin": (gin, (x, src, dst)), "gat": (gat, (x, src, dst, a))}
 
 
-def timed(fn, args, calls: int = 40) -> float:
-    for _ in range(5):
-        fn(*args)
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+def timed(fn, args) -> float:
+    """Median ms per call by CUDA events, one call a sample (the tiles' differences are in the
+    kernel, and a scatter's atomics do not overlap the next call's)."""
+    return gpu_bench.bench(fn, *args, reps=40, inner=1)
 
 
 def _clear_plans() -> None:
