@@ -17,13 +17,19 @@ _CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCHFUSE_CACHE_D
 _ENV = {var: os.environ.get(var) for var in _CACHE_VARS}
 import zoo  # noqa: E402
 
+_ZOO_ENV = {var: os.environ.get(var) for var in _CACHE_VARS}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _zoo_caches():
     """Importing zoo (and the benchmarks it imports) made fresh cache folders and pointed the
-    cache variables at them: both undone with this module's tests."""
+    cache variables at them: both undone with this module's tests.  A variable set again since
+    (the session's kernel cache, tests/conftest.py: this module is imported at collection, before
+    that fixture runs) is left as it is."""
     yield
     for var, value in _ENV.items():
+        if os.environ.get(var) != _ZOO_ENV[var]:
+            continue
         if value is None:
             os.environ.pop(var, None)
         else:
