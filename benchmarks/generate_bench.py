@@ -80,14 +80,15 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, n: int, extra: dict) ->
                           do_sample=False, cache_implementation="static", **extra)
 
 
-def _generate_kwargs(model: torch.nn.Module, ids: torch.Tensor) -> dict:
-    """transformers >= 4.49 compiles a static-cache forward with Inductor by itself on CUDA;
-    `disable_compile` keeps each row's own compiler (older versions neither do it nor know it)."""
-    try:
-        _generate(model, ids, 1, {"disable_compile": True})
-        return {"disable_compile": True}
-    except (TypeError, ValueError):
-        return {}
+def _reference(model: torch.nn.Module, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, dict]:
+    """Eager's `n` tokens, and the generate arguments every row passes: transformers >= 4.49
+    compiles a static-cache forward with Inductor by itself on CUDA; `disable_compile` keeps each
+    row's own compiler (older versions neither do it nor know it)."""
+    with torch.no_grad():
+        try:
+            return _generate(model, ids, n, {"disable_compile": True}), {"disable_compile": True}
+        except (TypeError, ValueError):
+            return _generate(model, ids, n, {}), {}
 
 
 def _timed(call: Callable[[], object], device: str, rounds: int) -> float:
@@ -137,7 +138,7 @@ def _decode_loop(model: torch.nn.Module, ids: torch.Tensor, cache: object, steps
     `steps` one-token forwards back to back (one synchronize after them), as a serving loop
     calls the model without generate's own per-token host work."""
     cache.reset()
-    b, p = ids.shape
+    p = ids.shape[1]
     tokens = ids[:, -1:].clone()
     _sync(device)
     t0 = time.perf_counter()
@@ -159,9 +160,7 @@ def run_one(name: str, backend: str, mode: str, a: argparse.Namespace) -> dict:
     model = build(name, a.size, dtype, device, max_len)
     torch.manual_seed(1)
     ids = torch.randint(1, model.config.vocab_size, (a.batch, a.prompt), device=device)
-    extra = _generate_kwargs(model, ids)
-    with torch.no_grad():
-        ref = _generate(model, ids, a.new, extra)
+    ref, extra = _reference(model, ids, a.new)
     torch._dynamo.reset()
     before = dict(torchfuse.counters)
     if backend != "eager":

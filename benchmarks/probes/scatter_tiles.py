@@ -13,7 +13,7 @@ Graphs (one layer's message passing, the linear layers left out so that the scat
 For each graph, dtype and feature width: Inductor's time per call, torchfuse's with its own rule
 (`launch.row_tile_blocks`), and torchfuse's with each candidate [YBLOCK, XBLOCK] tile and warp
 count forced (x = the rule's row width, y and warps varied).  Times are medians of CUDA-event
-samples of back-to-back calls.  Prints, per case, the rule's choice, the best candidate, and
+samples of one call each (gpu_bench.bench).  Prints, per case, the rule's choice, the best candidate, and
 Inductor / torchfuse for both; the table last.
 """
 from __future__ import annotations

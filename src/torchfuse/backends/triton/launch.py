@@ -430,7 +430,8 @@ def row_tile_blocks(xnumel: int, ynumel: int, itemsize: int = 4) -> tuple[int, i
     beat long loops per thread.  (H200, 1M edges into 100k nodes, probes/scatter_tiles.py: 47-wide
     rows in 64 x 64 tiles, the 16 KB tiles of tile_blocks, took 0.30 ms fp32 / 0.88 ms bf16 against
     Inductor's 0.24 / 0.55; 1024-element tiles 0.24 / 0.46.  256-wide rows, 1024 elements against
-    the 16 KB tiles: 0.99-1.05x fp32, 0.92-0.99x bf16, within the probe's noise.)"""
+    the 16 KB tiles: 0.99-1.05x fp32, 0.92-0.99x bf16, within the probe's noise.)  `itemsize` is
+    unused: the signature is tile_blocks', which _tiled_plan calls the same way."""
     xblock = min(_next_pow2(xnumel), ROW_TILE_XBLOCK)
     yblock = max(1, min(_next_pow2(ynumel), ROW_TILE_ELEMENTS // xblock))
     return xblock, yblock, ROW_TILE_WARPS
