@@ -259,6 +259,17 @@ def test_outputs_that_are_views_of_intermediates(tf):
     assert ys.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
 
 
+def test_view_of_a_keepdim_reduction_is_no_copy(tf):
+    """A bias gradient's `sum(0, keepdim=True).view(-1)`, returned after other kernels: the
+    view aliases the reduction's buffer (a size-1 dimension's stride differs between the
+    buffer and the fake tensor, and comparing it made the view a copy kernel of its own)."""
+    t, a, c = tf.rand((50, 33)), tf.rand((7, 9)), tf.rand((3,))
+
+    def fn(t, a, c):
+        return t.sum(0, keepdim=True).view(-1), (a * 2).sum(1), c.exp(), t.amax(1, keepdim=True).view(5, 10)
+    tf.check(fn, t, a, c, kernels=4, check_stride=True)
+
+
 def test_views_of_fallback_results(tf):
     """Views of an ATen result (mm) are zero-copy strided loads in the consumer kernel."""
     a = tf.rand((6, 5))

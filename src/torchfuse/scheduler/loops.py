@@ -219,8 +219,16 @@ def rows_contiguous(plan: LoopPlan) -> bool:
     rows then reads whole sectors, where one row per program reads one element per sector."""
     if plan.kernel.kind != "reduction" or not plan.outer or not plan.inner:
         return False
-    last_x, last_y = f"x{len(plan.outer) - 1}", f"y{len(plan.inner) - 1}"
-    for m in plan.members:
+    return reads_columns(len(plan.outer), len(plan.inner), plan.members)
+
+
+def reads_columns(n_outer: int, n_inner: int, members: list) -> bool:
+    """Does a reduce member load along the reduced dims with a stride while its neighbouring
+    rows are adjacent in memory?  (Loads that do not move with the rows, a per-row scale
+    broadcast across columns, say nothing about coalescing.)  The split pass sizes a reduction's
+    programs with this same test, so it counts the column tiles the code generator makes."""
+    last_x, last_y = f"x{n_outer - 1}", f"y{n_inner - 1}"
+    for m in members:
         if m.role == "reduce":
             for ld in loads(m.body):
                 if step_of(ld.args[0], last_y) not in (0, 1) and step_of(ld.args[0], last_x) == 1:

@@ -33,6 +33,7 @@ from ..ir.buffers import ComputedBuffer, Layout, LoweredGraph, contiguous_stride
 from ..ir.nodes import (Node, cast, const, floordiv, load, loads, map_nodes, mod, op, substitute, sym, var,
                         walk, where)
 from .fusion import Kernel, Member, Schedule
+from .loops import reads_columns
 from .tiling import step_of, stride_of
 
 log = logging.getLogger("torchfuse.split")
@@ -175,14 +176,11 @@ def _inner_order(kernel: Kernel, red: list[Member]) -> list[int]:
 
 
 def _column_like(kernel: Kernel, red: list[Member]) -> bool:
-    """The first load that walks the reduced dims is contiguous along the rows instead."""
-    last_x, last_y = f"x{len(kernel.outer) - 1}", f"y{len(kernel.inner) - 1}"
-    for m in red:
-        for ld in loads(m.body):
-            ystride = step_of(ld.args[0], last_y)
-            if ystride:
-                return bool(kernel.outer) and ystride != 1 and step_of(ld.args[0], last_x) == 1
-    return False
+    """Column-like data: the code generator's test (loops.reads_columns), so the programs
+    counted here are the column tiles it makes (a weight gradient's `(g[:, :, None] * x).sum(0)`
+    first loads g, broadcast across the columns: judged by that load, its 256 rows of 100000
+    counted as 256 programs, and the 4 column tiles the GPU ran were not split)."""
+    return bool(kernel.outer) and bool(kernel.inner) and reads_columns(len(kernel.outer), len(kernel.inner), red)
 
 
 def _gathers(red: list[Member]) -> bool:
