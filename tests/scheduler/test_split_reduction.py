@@ -246,6 +246,18 @@ def test_column_sums_split_by_tiles(tf, gpu_like_split, shape, kernels):
              atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1024, 1021])
+def test_column_sums_behind_a_broadcast_factor_split_by_tiles(tf, gpu_like_split, rows):
+    """A weight gradient `(g[:, :, None] * x).sum(0)` (a GAT's attention vectors, a layer
+    scale): its first load, `g`, is a per-row factor broadcast across the columns, and the
+    columns of `x` are 4 x 16 = 2 tiles of 32.  The split pass judged the kernel by that first
+    load (row-like: 64 programs, none split) while the code generator made column tiles."""
+    g, x = tf.rand((rows, 4)), tf.rand((rows, 4, 16))
+    e = tf.check(lambda g, x: (g[:, :, None] * x).sum(0), g, x, options={"cpu_backend": "triton"}, kernels=2,
+                 atol=1e-4, rtol=1e-4)
+    assert any(k.name.endswith("_part") for k in e.kernels)
+
+
 # ----------------------------------------------------------------------------------------------
 # variance: the one reduction chain that splits (shifted sums per chunk, combined exactly)
 # ----------------------------------------------------------------------------------------------
