@@ -317,3 +317,58 @@ def test_cpp_parallel_scatters(tf, dtype):
                 torch.index_put(big, (few,), v, accumulate=True),                  # atomics
                 torch.scatter_reduce(x, 0, i[:, None].expand(-1, 8), s, "amax"))   # compare-and-swap
     tf.check(fn, x, src, idx, big, few, tf.rand((50,), dtype), options=opts, atol=atol, rtol=rtol)
+
+
+def gat_message_grads(g, x, alpha, src, dst, nodes: int):
+    """A GAT layer's backward at its messages: the attention gradient (row sums of the gathered
+    output gradient times the gathered features) and the feature gradient (the gathered output
+    gradient times the attention, added into the source nodes)."""
+    gd = g[dst]
+    score_grad = (gd * x[src]).sum(-1)
+    feat_grad = torch.zeros(nodes, *g.shape[1:], dtype=g.dtype).index_add(0, src, gd * alpha[..., None])
+    return score_grad, feat_grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("edges", [211, 0])
+def test_scatter_joins_the_reduction_it_shares_loads_with(tf, backend, dtype, edges):
+    """Triton (Features.scatter_in_reductions): the feature gradient's index_add runs inside the
+    attention gradient's row sums, one pass over the gathered rows: the zeros and that kernel
+    (a bf16 sum adds into an fp32 buffer: and its rounding).  C++ runs the scatter in a
+    kernel of its own."""
+    nodes = 37
+    g, x = tf.rand((nodes, 4, 24), dtype), tf.rand((nodes, 4, 24), dtype)
+    src, dst = torch.randint(0, nodes, (edges,)), torch.randint(0, nodes, (edges,))
+    alpha = tf.rand((edges, 4), dtype)
+    atol, rtol = SUM_TOL[dtype]
+    fused = backend == "triton" and edges > 0      # (no edges: no rows, nothing to gain)
+    kernels = (2 if fused else 3) + (dtype == torch.bfloat16)
+    e = tf.check(gat_message_grads, g, x, alpha, src, dst, nodes, options=BACKENDS[backend], kernels=kernels,
+                 atol=atol, rtol=rtol)
+    hosts = [k for k in e.kernels if "sum" in k.name and "index_add" in k.name]
+    assert len(hosts) == (1 if fused else 0), "\n".join(k.name for k in e.kernels)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gat_layer_gradients_with_fused_scatters(tf, backend):
+    """The whole GAT layer through autograd: its backward's scatters in reduction kernels
+    (Triton) give eager's gradients."""
+    x, w = tf.rand((37, 16)), tf.rand((16, 16), low=-0.3, high=0.3)
+    src, dst = _graph()
+    a_s, a_d = tf.rand((16,)), tf.rand((16,))
+    for t in (x, w, a_s, a_d):
+        t.requires_grad_(True)
+    tf.check_grad(gat_layer, x, src, dst, w, a_s, a_d, options=BACKENDS[backend],
+                  allow_fallbacks={"aten.mm.default"}, atol=1e-4, rtol=1e-4)
+
+
+def test_scatter_stays_out_of_a_reduction_of_few_rows(tf):
+    """Two long rows (a reduction the split pass parallelises into partials) keep their
+    scatter in a kernel of its own: a kernel with a scatter is never split."""
+    x, idx = tf.rand((2, 4096)), torch.randint(0, 50, (2, 4096))
+
+    def fn(x, idx):
+        return x.sum(-1), torch.zeros(2, 50).scatter_add(1, idx, x * 2)
+    e = tf.check(fn, x, idx, options=BACKENDS["triton"], atol=1e-3, rtol=1e-4)
+    assert not any("scatter" in k.name and "sum" in k.name for k in e.kernels), [k.name for k in e.kernels]

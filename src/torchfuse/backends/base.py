@@ -56,6 +56,10 @@ class Features:
     embedding_bag_kernels: bool = True
     """embedding_bag (sum, mean) and its backward decompose into gathers and scatters
     (frontend/index_decompositions.py) rather than running ATen's kernels."""
+    scatter_in_reductions: bool = False
+    """A reduction kernel may run a scatter over its rows x reduced loops as a per-element
+    member (scheduler/fusion._scatter_in_reduction), stored with the same atomics as a scatter
+    kernel's."""
     max_fused_cat_parts: int = 32
     """A concatenation of more parts runs through ATen's cat (lowering/views.py).  A fused cat
     tests every part's range and issues every part's (masked) load for each element: about six

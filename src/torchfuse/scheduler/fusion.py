@@ -394,6 +394,46 @@ def _scatter_prologue(kernel: Kernel, step: ComputedBuffer) -> tuple[Member | No
     return member, ""
 
 
+# Fewest rows (when static) of a reduction that takes a scatter in: a kernel with a scatter is
+# never split into partials (scheduler/split.py), and a few long rows must stay splittable (a
+# GPU splits below 2 x its SMs' rows: 264 on an H200; symbolic row counts are never split).
+SCATTER_HOST_MIN_ROWS = 512
+
+
+def _scatter_in_reduction(kernel: Kernel, step: ComputedBuffer) -> Member | None:
+    """The scatter `step` as a per-element member of the reduction `kernel`, when its domain is
+    the kernel's rows x reduced loops and it loads what a reduction of the kernel loads (a GAT
+    backward's attention gradient, the row sums of grad[dst] * x[src], and its message gradient,
+    grad[dst] * alpha added into the nodes at src: one pass over the gathered rows, as Inductor's
+    persistent reduction, where two kernels gathered them twice).  None where it reads a
+    per-row value of the kernel (complete only after the row's loop), the buffer it updates is
+    the kernel's, or the two share no load (nothing to gain: the atomics would only slow the
+    reduction down).  Only for backends whose reduction kernels can update (Features.
+    scatter_in_reductions)."""
+    if kernel.kind != "reduction" or kernel.scatter is not None or not kernel.inner:
+        return None
+    rows = 1
+    for size in kernel.outer:
+        rows = rows * size.arg if size.op == "const" and isinstance(rows, int) else None
+    if rows is not None and rows < SCATTER_HOST_MIN_ROWS:
+        return None
+    fit = _fit("inner", kernel.outer + kernel.inner, len(kernel.outer), step, squeeze(step.ranges), "kernel")
+    if fit is None or fit.kernel_map or (fit.outer, fit.inner) != (kernel.outer, kernel.inner):
+        return None
+    if any(m.buffer.name == step.into or any(ld.arg == step.into for ld in loads(m.body)) for m in kernel.members):
+        return None
+    _, member = _place(kernel, step, fit)
+    producers = {m.buffer.name: m for m in kernel.members}
+    for ld in loads(member.body) + loads(member.store):
+        producer = producers.get(ld.arg)
+        if producer is not None and (producer.role != "inner" or ld.args[0] != producer.store):
+            return None
+    shared = {(ld.arg, ld.args[0]) for m in kernel.members if m.role == "reduce" for ld in loads(m.body)}
+    if not any((ld.arg, ld.args[0]) in shared for ld in loads(member.body)):
+        return None
+    return member
+
+
 def _join_earlier(items: list, current: Kernel | None, step: ComputedBuffer, config: Config) -> bool:
     """Fuse `step` into one of the last LOOK_BACK kernels if it fits there and reads nothing made
     after it (`current`, the open kernel, comes after all `items`).  Moving a buffer earlier is
@@ -420,7 +460,11 @@ def _join_earlier(items: list, current: Kernel | None, step: ComputedBuffer, con
     return False
 
 
-def schedule(program: LoweredGraph, config: Config) -> Schedule:
+def schedule(program: LoweredGraph, config: Config, *, scatter_in_reductions: bool = False) -> Schedule:
+    """The lowered program's steps grouped into kernels, in one pass (a step joins the open
+    kernel, or one of the last few, or opens its own), with the reason for every refused fusion.
+    `scatter_in_reductions`: the backend's reduction kernels may run a scatter as a per-element
+    member (Features.scatter_in_reductions)."""
     items: list[Kernel | FallbackCall | AliasView] = []
     refused: list[str] = []
     current: Kernel | None = None
@@ -469,6 +513,17 @@ def schedule(program: LoweredGraph, config: Config) -> Schedule:
                     member, reason = _scatter_prologue(target, step)
                     if member is not None:
                         items[-1], current = current, target
+                if member is None and scatter_in_reductions:
+                    # a reduction over the scatter's domain, the open kernel or the one before
+                    # it (when the open one, the scatter's zeros, does not read it)
+                    for host in [current] + ([items[-1]] if items and isinstance(items[-1], Kernel) and not
+                                             _defines(items[-1]) & {ld.arg for m in current.members
+                                                                    for ld in loads(m.body)} else []):
+                        member = _scatter_in_reduction(host, step)
+                        if member is not None:
+                            if host is not current:
+                                items[-1], current = current, host
+                            break
                 if member is not None:
                     current.members.append(member)
                     close()

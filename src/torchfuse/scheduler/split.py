@@ -206,6 +206,8 @@ class _Splitter:
         """Empty when `kernel` should be split, else the reason (for the log)."""
         if kernel.kind != "reduction":
             return "not a reduction"
+        if kernel.scatter is not None:
+            return "runs a scatter (its per-element updates are not split into partials)"
         rows, length = _product(kernel.outer), _product(kernel.inner)
         if rows.op != "const":
             return f"symbolic row count {rows} (could be large; rows already fill the machine then)"
