@@ -120,6 +120,8 @@ def kernel_source(plan: LoopPlan, dtypes: dict[str, torch.dtype],
             em = TritonEmitter(dtypes)
             if persistent:     # the row stays in registers: values carried between loops need no store
                 em.unstored = set(plan.carried)
+            if kernel.scatter is not None:
+                em.reduced_vars = frozenset(f"y{j}" for j in range(len(plan.inner)))
             # masked column tiles measured faster (bf16 [8192, 2304] sum(0): 12.1 vs 14.6 us
             # unmasked; probes/long_rows.py --only masks)
             em.drop_masks = not columns

@@ -45,11 +45,24 @@ class TritonEmitter(ExprEmitter):
         # on none of them (address, own mask, nested loads) is read once per row, [YBLOCK, 1]
         # under `ymask`, and broadcast where it meets the tile
         self.row_vars: frozenset[str] = frozenset()
+        # In a reduction kernel that runs a scatter: the reduced dims' loop vars (y); a load
+        # that depends on none of them (the scatter's index, a per-row weight) is read once per
+        # row, [XBLOCK, 1] under `xmask`, as Inductor's persistent reductions read them: an
+        # [XBLOCK, RBLOCK] load of the same address issued every lane its slots (and its index
+        # check's error store)
+        self.reduced_vars: frozenset[str] = frozenset()
 
-    def _row_only(self, n: Node) -> bool:
-        """In a scatter's row tile: `n` is the same all along a row (reads no x var)."""
-        return bool(self.row_vars) and self.mask == "xmask" and \
-            not any(v.op == "var" and v.arg in self.row_vars for v in walk(n))
+    def _narrow(self, n: Node) -> tuple[str, str] | None:
+        """(mask, zero) for `n` when it is the same along the tile's other dim: a scatter row
+        tile's rows (reads no x var: [YBLOCK, 1]) or a reduction's reduced dims (no y var:
+        [XBLOCK, 1]); None elsewhere."""
+        if self.row_vars and self.mask == "xmask" and \
+                not any(v.op == "var" and v.arg in self.row_vars for v in walk(n)):
+            return "ymask", "yzero"
+        if self.reduced_vars and self.mask == "xmask & rmask" and \
+                not any(v.op == "var" and v.arg in self.reduced_vars for v in walk(n)):
+            return "xmask", "xzero"
+        return None
 
     def _flag(self, site: int, bad: str, value: str, mask: str | None = None) -> None:
         """Record `value` where `bad` holds (in this program's live lanes) in the kernel's error
@@ -111,12 +124,11 @@ class TritonEmitter(ExprEmitter):
             i, size = self.value(a[0]), self.index(a[1])
             w = self.tmp(f"tl.where({i} < 0, {i} + {size}, {i})") if a[2].arg else i
             ok = self.tmp(f"({w} >= 0) & ({w} < {size})")
-            self._flag(self.checks[n], f"({ok} == 0)", i, "ymask" if self._row_only(n) else None)
+            narrow = self._narrow(n)
+            self._flag(self.checks[n], f"({ok} == 0)", i, narrow[0] if narrow else None)
             return f"tl.where({ok}, {w}, 0)"     # (never a load outside the tensor)
         if o == "load":
-            mask, zero = self.mask, "xzero"
-            if self._row_only(n):
-                mask, zero = "ymask", "yzero"
+            mask, zero = self._narrow(n) or (self.mask, "xzero")
             if len(a) == 2:
                 own = self.value(a[1])
                 mask = own if mask == "None" else f"{mask} & {own}"
