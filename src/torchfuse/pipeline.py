@@ -220,7 +220,8 @@ def _lower_and_build(gm: fx.GraphModule, config: Config, graph_name: str, debug:
     device = program_device(program)
     backend = backends.for_device(device, config)
     with counters.timed("schedule"):
-        sched = schedule(program, config, scatter_in_reductions=backend.features.scatter_in_reductions)
+        sched = schedule(program, config, scatter_in_reductions=config.scatters_in_reductions and
+                         backend.features.scatter_in_reductions)
         if config.split_reductions and backend.features.split_reductions:
             sched = split_reductions(sched, program, buffer_readers(sched, program),
                                      backends.split_params(device, config))
