@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from torchfuse import counters
-from torchfuse.tools.accuracy import flatten, judge, judge_all, reference_dtype, to_reference
+from torchfuse.tools.accuracy import flatten, judge, judge_all, nudge, reference_dtype, rmse, to_reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import zoo_library  # noqa: E402
@@ -122,4 +122,35 @@ def test_library_model(case: tuple[str, str, torch.dtype], request: pytest.Fixtu
         verdict = loss if not loss.ok else judge_all(actual[1:], eager[1:], reference[1:], shared_scale=True)
     assert counters["kernels_generated"] > before.get("kernels_generated", 0), "torchfuse generated no kernels"
     assert counters["eager_fallbacks"] == before.get("eager_fallbacks", 0), "a torchfuse graph ran eagerly"
+    if not verdict.ok:
+        # judged again, as the zoo judges a failing row, against eager's error on data moved by
+        # rounding-sized noise (benchmarks/zoo.py perturbed_errors): an ill-conditioned output
+        # (a random MobileViT-v2's bf16 logits at 64 pixels, 3x eager's own error on such a nudge)
+        nudged = _nudged_errors(zm, model, inputs, mode, reference)
+        if mode == "infer":
+            verdict = judge_all(actual, eager, reference, nudged_errors=nudged)
+        else:
+            loss = judge(actual[0], eager[0], reference[0], name="loss", nudged_error=nudged[0])
+            verdict = loss if not loss.ok else judge_all(actual[1:], eager[1:], reference[1:], shared_scale=True,
+                                                         nudged_errors=nudged[1:])
     assert verdict.ok, f"{name} {mode}: {verdict}"
+
+
+def _nudged_errors(zm: Any, model: torch.nn.Module, inputs: tuple, mode: str,
+                   reference: list[torch.Tensor]) -> list[float]:
+    """Per tensor, eager's worst RMSE against the reference over a few runs on nudged data
+    (torchfuse.tools.accuracy.nudge: weights moved by a unit roundoff, inputs by 1e-6), as
+    benchmarks/zoo.py's perturbed_errors."""
+    g = torch.Generator().manual_seed(7)
+    worst = [0.0] * len(reference)
+    for _ in range(4):
+        moved, args = nudge(model, inputs, g, 1e-6)
+        if mode == "infer":
+            with torch.no_grad():
+                run = flatten(moved(*args))
+        else:
+            for p in moved.parameters():
+                p.grad = None            # (the copy took eager's step's gradients along)
+            run = _step(zm, moved, moved, args)
+        worst = [max(w, rmse(t, r)) for w, t, r in zip(worst, run, reference)]
+    return worst

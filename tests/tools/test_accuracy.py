@@ -87,6 +87,21 @@ def test_cosine_catches_a_wrong_low_precision_output() -> None:
     assert judge((ref + 0.28 * _randn(4000, seed=6)).bfloat16(), noisy, ref).ok
 
 
+def test_nudged_error_allows_its_angle_to_a_low_precision_output() -> None:
+    """An output eager turns little but eager on nudged data turns far (a random MobileViT-v2's
+    bf16 logits): the compiled output's angle is judged against the nudged one too, as its
+    RMSE is; a turn beyond both still fails."""
+    ref = _randn(4000, seed=4)
+    eager = (ref + 0.1 * _randn(4000, seed=5)).bfloat16()
+    turned = (ref + 0.16 * _randn(4000, seed=6)).bfloat16()       # cosine 0.987, 2.5x eager's angle
+    v = judge(turned, eager, ref)
+    assert not v.ok and "cosine" in v.reason, str(v)
+    nudged = 3 * rmse(eager, ref)
+    v = judge(turned, eager, ref, nudged_error=nudged)
+    assert v.ok, str(v)
+    assert not judge((ref + 0.8 * _randn(4000, seed=6)).bfloat16(), eager, ref, nudged_error=nudged).ok
+
+
 def test_judge_all_shared_scale_for_vanishing_gradients() -> None:
     big = _randn(64, 64)
     ref_big = big.double()

@@ -137,8 +137,13 @@ def judge(actual: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, *,
         # below 0.99 fails, unless eager's own output is as far off (an ill-conditioned output).
         # The angle grows as the square of an error across the reference (1 - cos ~ err^2 / 2),
         # so the RMSE's 1.5x allows 1.5^2 on it; what it adds to the RMSE test is an error that
-        # turns the output where eager's only scales it
-        if _rms(reference) > 0 and cosine < COSINE_MIN and 1 - cosine > MULTIPLIER ** 2 * (1 - eager_cosine):
+        # turns the output where eager's only scales it.  Eager's error on nudged data counts
+        # as the angle an error of that size across the reference makes (a random MobileViT-v2's
+        # bf16 logits at 64 pixels: eager 0.990, eager on nudged weights 0.90-0.94)
+        eager_angle = 1 - eager_cosine
+        if nudged_error > eager_error and _rms(reference) > 0:
+            eager_angle = max(eager_angle, nudged_error ** 2 / (2 * _rms(reference) ** 2))
+        if _rms(reference) > 0 and cosine < COSINE_MIN and 1 - cosine > MULTIPLIER ** 2 * eager_angle:
             ok = False
             reasons.append(f"cosine similarity {cosine:.4f} < {COSINE_MIN} (eager's {eager_cosine:.4f})")
     return Verdict(ok, error, eager_error, bound, cosine, name, "; ".join(reasons))
