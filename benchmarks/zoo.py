@@ -203,14 +203,8 @@ def perturbed_errors(model: nn.Module, inputs: tuple, loss: Callable | None, ref
     a nudge.  A model of token ids has no floating input: its weights are what moves (T5-base's
     training step over 8x512 tokens: eager's gradients 1e-4 to 1e-3 off the fp64 ones, and eager
     on weights nudged by a unit roundoff up to 1.26x the 1.5x bound on some of them)."""
-    g = torch.Generator().manual_seed(7)
-    worst = [0.0] * len(reference)
-    for _ in range(PERTURBED_RUNS):
-        moved, args = accuracy.nudge(model, inputs, g, PERTURBATION)
-        run = reference_run(moved, args, loss)
-        worst = [max(w, accuracy.rmse(t, r)) for w, t, r in zip(worst, run, reference)]
-        del moved, run
-    return worst
+    return accuracy.nudged_errors(model, inputs, reference, lambda moved, args: reference_run(moved, args, loss),
+                                  runs=PERTURBED_RUNS, input_noise=PERTURBATION, seed=7)
 
 
 class Judge:

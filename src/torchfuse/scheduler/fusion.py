@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -412,10 +413,7 @@ def _scatter_in_reduction(kernel: Kernel, step: ComputedBuffer) -> Member | None
     scatter_in_reductions)."""
     if kernel.kind != "reduction" or kernel.scatter is not None or not kernel.inner:
         return None
-    rows = 1
-    for size in kernel.outer:
-        rows = rows * size.arg if size.op == "const" and isinstance(rows, int) else None
-    if rows is not None and rows < SCATTER_HOST_MIN_ROWS:
+    if all(s.op == "const" for s in kernel.outer) and math.prod(s.arg for s in kernel.outer) < SCATTER_HOST_MIN_ROWS:
         return None
     fit = _fit("inner", kernel.outer + kernel.inner, len(kernel.outer), step, squeeze(step.ranges), "kernel")
     if fit is None or fit.kernel_map or (fit.outer, fit.inner) != (kernel.outer, kernel.inner):
@@ -504,21 +502,20 @@ def schedule(program: LoweredGraph, config: Config, *, scatter_in_reductions: bo
         if step.scatter is not None:
             if current is not None and config.fuse and len(current.members) < config.max_fusion_size:
                 target = current
+                # the kernel before the open one, when the open one does not depend on it (it
+                # initialises the scatter's output): the open one may then run first
+                before = items[-1] if items and isinstance(items[-1], Kernel) and \
+                    not _defines(items[-1]) & {ld.arg for m in current.members for ld in loads(m.body)} else None
                 member, reason = _scatter_prologue(current, step)
-                if member is None and not reason and items and isinstance(items[-1], Kernel) and \
-                        not _defines(items[-1]) & {ld.arg for m in current.members for ld in loads(m.body)}:
-                    # what it reads is the kernel's before, and the open one does not depend on
-                    # that kernel (it initialises the scatter's output): the open one runs first
-                    target = items[-1]
+                if member is None and not reason and before is not None:
+                    # what it reads is the kernel's before
+                    target = before
                     member, reason = _scatter_prologue(target, step)
                     if member is not None:
                         items[-1], current = current, target
                 if member is None and scatter_in_reductions:
-                    # a reduction over the scatter's domain, the open kernel or the one before
-                    # it (when the open one, the scatter's zeros, does not read it)
-                    for host in [current] + ([items[-1]] if items and isinstance(items[-1], Kernel) and not
-                                             _defines(items[-1]) & {ld.arg for m in current.members
-                                                                    for ld in loads(m.body)} else []):
+                    # a reduction over the scatter's domain, the open kernel or the one before it
+                    for host in [current] + ([before] if before is not None else []):
                         member = _scatter_in_reduction(host, step)
                         if member is not None:
                             if host is not current:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -140,10 +140,10 @@ def judge(actual: torch.Tensor, eager: torch.Tensor, reference: torch.Tensor, *,
         # turns the output where eager's only scales it.  Eager's error on nudged data counts
         # as the angle an error of that size across the reference makes (a random MobileViT-v2's
         # bf16 logits at 64 pixels: eager 0.990, eager on nudged weights 0.90-0.94)
-        eager_angle = 1 - eager_cosine
-        if nudged_error > eager_error and _rms(reference) > 0:
-            eager_angle = max(eager_angle, nudged_error ** 2 / (2 * _rms(reference) ** 2))
-        if _rms(reference) > 0 and cosine < COSINE_MIN and 1 - cosine > MULTIPLIER ** 2 * eager_angle:
+        eager_angle, ref_rms = 1 - eager_cosine, _rms(reference)
+        if nudged_error > eager_error and ref_rms > 0:
+            eager_angle = max(eager_angle, nudged_error ** 2 / (2 * ref_rms ** 2))
+        if ref_rms > 0 and cosine < COSINE_MIN and 1 - cosine > MULTIPLIER ** 2 * eager_angle:
             ok = False
             reasons.append(f"cosine similarity {cosine:.4f} < {COSINE_MIN} (eager's {eager_cosine:.4f})")
     return Verdict(ok, error, eager_error, bound, cosine, name, "; ".join(reasons))
@@ -231,6 +231,22 @@ def nudge(model: torch.nn.Module, inputs: tuple, generator: torch.Generator,
                   if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
     return moved_model, moved
 
+
+
+def nudged_errors(model: torch.nn.Module, inputs: tuple, reference: Sequence[torch.Tensor],
+                  run: Callable[[torch.nn.Module, tuple], Sequence[torch.Tensor]], *, runs: int = 4,
+                  input_noise: float = 1e-6, seed: int = 7) -> list[float]:
+    """Per tensor, the worst RMSE against `reference` of `run(moved_model, moved_inputs)` over
+    `runs` nudges (see nudge): how far rounding-sized changes move this computation, the
+    `nudged_error` that judge and judge_all take."""
+    g = torch.Generator().manual_seed(seed)
+    worst = [0.0] * len(reference)
+    for _ in range(runs):
+        moved, args = nudge(model, inputs, g, input_noise)
+        out = run(moved, args)
+        worst = [max(w, rmse(t, r)) for w, t, r in zip(worst, out, reference)]
+        del moved, out
+    return worst
 
 # Ops whose results are random draws (or, for native_dropout, a draw applied to the input).  Not
 # every op tagged nondeterministic_seeded: attention (its dropout_p) and LSTM/GRU carry the tag,
