@@ -278,6 +278,9 @@ def main() -> None:
     ap.add_argument("--out", help="write the markdown table to this file")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, print rank 0's GPU kernels over N steps (torch.profiler)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="--fsdp-tp --profile: also write rank 0's Chrome trace per backend here")
+    ap.add_argument("--tf-options", default="", help="--fsdp-tp: torchfuse's options, as JSON")
     ap.add_argument("--fsdp-tp", action="store_true",
                     help="FSDP2 x tensor parallel Llama-style training instead of the zoo (fsdp_tp_llama.py)")
     ap.add_argument("--tp", type=int, default=2, help="--fsdp-tp: tensor-parallel ranks (the rest is FSDP2)")

@@ -17,6 +17,7 @@ eager's curve.
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -164,9 +165,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, mixed: bool) -> dict:
+def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, mixed: bool,
+        profile_steps: int = 0, trace_dir: str | None = None, tf_options: dict | None = None) -> dict:
     """Train `steps` steps with `backend` ("eager", "inductor", "torchfuse"), bf16 mixed
-    precision if `mixed`; the measurements."""
+    precision if `mixed`; the measurements.  With `profile_steps`, rank 0 then profiles that
+    many more steps (`_profile`); `tf_options`: torchfuse's options."""
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -176,47 +179,114 @@ def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, 
         model = Llama(cfg)
     parallelize(model, mesh, mixed_precision=mixed)
     if backend != "eager":
+        compiler = backend
+        if backend == "torchfuse" and tf_options:
+            import torchfuse
+            compiler = torchfuse.backend(options=tf_options)
         for block in model.layers:
-            block.compile(backend=backend, dynamic=False)
+            block.compile(backend=compiler, dynamic=False)
     cos, sin = rotary(cfg, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     rows = slice(dp_rank * cfg.batch // dp, (dp_rank + 1) * cfg.batch // dp)
     losses, times = [], []
-    for step in range(steps):
+
+    def train_step(step: int) -> torch.Tensor:
         tokens, labels = _batch(cfg, step, device)
-        _sync(device)
-        t0 = time.perf_counter()
         logits = model(tokens[rows], cos, sin)
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels[rows].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    gc_s = [0.0, 0.0]          # seconds in Python's garbage collector during the timed steps
+
+    def gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        elif gc_s[1]:
+            gc_s[0] += time.perf_counter() - gc_s[1]
+    for step in range(steps):
+        _sync(device)
+        if step == 3:
+            gc.callbacks.append(gc_timer)
+        t0 = time.perf_counter()
+        loss = train_step(step)
         _sync(device)
         times.append(time.perf_counter() - t0)
-        losses.append(loss.detach())
+        losses.append(loss)
+    if gc_timer in gc.callbacks:
+        gc.callbacks.remove(gc_timer)
+    load1 = os.getloadavg()[0]        # other processes busy on the host during the steps?
+    if profile_steps and device.type == "cuda":
+        _profile(lambda: train_step(steps), profile_steps, device, backend, report=dist.get_rank() == 0,
+                 trace_dir=trace_dir)
     # the loss of the global batch: the mean over dp ranks (tp ranks hold the same value)
     curve = torch.stack(losses).float()
     dist.all_reduce(curve, group=mesh["dp"].get_group())
     curve = (curve / dp).tolist()
     timed = times[3:] if len(times) > 3 else times[1:] or times
     # a step is as slow as its slowest rank; memory: the largest rank's peak
-    stats = torch.tensor([sum(timed) / len(timed), times[0],
+    stats = torch.tensor([sum(timed) / len(timed), times[0], gc_s[0] / max(1, steps - 3),
                           torch.cuda.max_memory_allocated(device) / 2 ** 20 if device.type == "cuda" else 0.0],
                          dtype=torch.float64, device=device)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    step_s, first_s, peak = stats.tolist()
+    step_s, first_s, gc_step_s, peak = stats.tolist()
     params = sum(p.numel() for p in model.parameters())    # (the DTensors' global sizes)
     del model, opt
     return dict(backend=backend, params_m=params / 1e6, first_s=first_s, ms=step_s * 1e3,
-                tokens_s=cfg.batch * cfg.seq / step_s, peak_mib=peak, losses=curve)
+                tokens_s=cfg.batch * cfg.seq / step_s, peak_mib=peak, gc_ms=gc_step_s * 1e3, load1=load1,
+                losses=curve)
+
+
+def _profile(step, steps: int, device: torch.device, title: str, report: bool,
+             trace_dir: str | None = None, top: int = 15) -> None:
+    """Where a step's time goes on the reporting rank (every rank must step: the collectives
+    need them all): wall ms per step, the compute stream's kernel time apart from NCCL's (the
+    two overlap), host ms per step spent launching (CPU time in the compiled blocks and ATen),
+    and the top kernels.  A Chrome trace per backend goes to `trace_dir` if given."""
+    from torch.profiler import ProfilerActivity, profile
+    _sync(device)
+    if not report:
+        for _ in range(steps):
+            step()
+        _sync(device)
+        return
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(evt.name, [0.0, 0])
+            k[0] += evt.device_time / 1e3 / steps
+            k[1] += 1 / steps
+    nccl = sum(v[0] for n, v in kernels.items() if "nccl" in n.lower())
+    compute = sum(v[0] for n, v in kernels.items() if "nccl" not in n.lower())
+    groups = {"gemm": ("gemm", "cutlass", "sm90", "nvjet", "cublas"), "attention": ("flash", "fmha", "attention"),
+              "triton": ("triton",), "nccl": ("nccl",)}
+    by_group = {g: sum(v[0] for n, v in kernels.items() if any(w in n.lower() for w in words))
+                for g, words in groups.items()}
+    by_group["other"] = compute + nccl - sum(by_group.values())
+    print(f"## profile {title}: wall {wall:.2f} ms/step (profiled), compute kernels {compute:.2f} ms, "
+          f"NCCL {nccl:.2f} ms, {sum(v[1] for v in kernels.values()):.0f} kernels/step; "
+          + ", ".join(f"{g} {ms:.2f}" for g, ms in by_group.items()), flush=True)
+    for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {ms:8.3f} ms  {calls:5.0f}x  {name[:110]}", flush=True)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace_dir, f"fsdp_tp_{title}.json"))
 
 
 def table(results: list[dict], header: str) -> str:
     """A markdown table: one row per backend, the loss curves against eager's."""
     eager = next((r for r in results if r.get("backend") == "eager" and "losses" in r), None)
     lines = [header, "| backend | ms / step | tokens/s | vs Inductor | first step s | peak MiB / GPU | "
-             "loss step 1 -> last | max loss diff vs eager |", "|---|---|---|---|---|---|---|---|"]
+             "Python gc ms / step | loss step 1 -> last | max loss diff vs eager |", "|---|---|---|---|---|---|---|---|---|"]
     ind = next((r for r in results if r.get("backend") == "inductor" and "ms" in r), None)
     for r in results:
         if "error" in r:
@@ -225,7 +295,7 @@ def table(results: list[dict], header: str) -> str:
         diff = max(abs(a - b) for a, b in zip(r["losses"], eager["losses"])) if eager else math.nan
         vs = f"{r['tokens_s'] / ind['tokens_s']:.2f}" if ind else "-"
         lines.append(f"| {r['backend']} | {r['ms']:.1f} | {r['tokens_s']:.0f} | {vs} | {r['first_s']:.1f} | "
-                     f"{r['peak_mib']:.0f} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {diff:.2e} |")
+                     f"{r['peak_mib']:.0f} | {r.get('gc_ms', math.nan):.1f} | {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f} | {diff:.2e} |")
     return "\n".join(lines)
 
 
@@ -248,7 +318,9 @@ def worker(rank: int, args, port: int, out: str) -> None:
         results = []
         for backend in args.backends.split(","):
             try:
-                res = run(backend, cfg, mesh, device, args.steps, args.bf16)
+                res = run(backend, cfg, mesh, device, args.steps, args.bf16,
+                          profile_steps=args.profile, trace_dir=args.trace_dir,
+                          tf_options=json.loads(args.tf_options) if args.tf_options else None)
             except Exception as e:      # keep going; the table says what failed
                 res = dict(backend=backend, error=f"{type(e).__name__}: {e}"[:400])
             results.append(res)

@@ -161,3 +161,21 @@ def test_cpu_graphs_start_no_compile_workers(monkeypatch):
         x, y = torch.randn(7, 33, dtype=torch.float64), torch.randn(33, 7, dtype=torch.float64).t()
         torch.testing.assert_close(fn(x, y), (x * y).softmax(-1) + y.sum(0))
     assert started == []
+
+
+def test_ranks_on_one_host_share_the_compile_workers(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert triton_precompile.default_workers() == 16          # one process: 16 at most
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert triton_precompile.default_workers() == 16          # 64 cores / 4 ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert triton_precompile.default_workers() == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert triton_precompile.default_workers() == 1           # never none
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(48)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "")                # unset: an initialized group counts
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 16)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert triton_precompile.default_workers() == 12          # 16 ranks over 4 hosts' GPUs: 4 here
