@@ -21,7 +21,10 @@ from zoo_models import BY_NAME  # noqa: E402
 
 
 def run_row(name: str, mode: str, device: str, options: dict, budget: float) -> dict:
-    zm = BY_NAME[name]
+    zm = BY_NAME.get(name)
+    if zm is None:          # a `zoo.py --zoo library` row (timm, torchvision, torch_geometric, ...)
+        from zoo_library import LIBRARY_BY_NAME
+        zm = LIBRARY_BY_NAME[name]
     size = "gpu" if device == "cuda" else "cpu"
     fns, outs = {}, {}
     for key in ("inductor", "torchfuse", "torchfuse_changed"):

@@ -145,13 +145,13 @@ class Config:
     step's matmul) gets its result allocated first and each part written straight into its
     slice: no copy, and one buffer instead of two (lowering/cat_slots.py)."""
 
-    scatters_in_reductions: bool = False
+    scatters_in_reductions: bool = True
     """Run a scatter inside the reduction kernel it shares loads with, where the backend can
     (Features.scatter_in_reductions; scheduler/fusion._scatter_in_reduction): a GAT backward's
-    feature-gradient index_add inside its attention-gradient row sums.  Off: on an H200, GAT
-    training took 13.7 ms a step with it against 12.4 without (BENCHMARKS.md, "Graph networks");
-    its reduction tiles then read the scatter's index every lane (since read once per row:
-    not yet measured)."""
+    feature-gradient index_add inside its attention-gradient row sums, one pass over the
+    gathered rows, the scatter's index read once per row.  On an H200 GAT training took 11.1 ms
+    a step with it against 12.0 without, peak memory 758 MiB against 1542 (BENCHMARKS.md,
+    "Graph networks").  False keeps every scatter in a kernel of its own."""
 
     split_reductions: bool = True
     """Reduce few long rows (x.sum(), [8, 8M].sum(1), column sums of [8M, 8]) in two kernels:
