@@ -138,7 +138,8 @@ def _run_one(name: str, strategy: str, backend: str, args, device: torch.device)
     _sync(device)
     ms = (time.perf_counter() - t0) * 1e3 / args.steps
     if args.profile:      # every rank steps (the collectives need them all), rank 0 profiles
-        _profile(step, args.profile, device, f"{name} {strategy} {backend}", report=rank == 0)
+        _profile(step, args.profile, device, f"{name} {strategy} {backend}", report=rank == 0,
+                 trace_dir=args.trace_dir)
     times = [torch.tensor([ms], device=device)]
     # a step is as slow as its slowest rank
     dist.all_reduce(times[0], op=dist.ReduceOp.MAX)
@@ -150,8 +151,12 @@ def _run_one(name: str, strategy: str, backend: str, args, device: torch.device)
     return result, state
 
 
-def _profile(step, steps: int, device: torch.device, title: str, report: bool, top: int = 12) -> None:
-    """GPU time per step by kernel, printed by the rank that reports (the others only step)."""
+def _profile(step, steps: int, device: torch.device, title: str, report: bool, top: int = 12,
+             trace_dir: str | None = None) -> None:
+    """GPU time per step by kernel, printed by the rank that reports (the others only step: the
+    collectives need them all): wall ms per step, the compute kernels' time apart from NCCL's
+    (the two overlap), time by kernel group, and the top kernels.  With `trace_dir`, host ops
+    are recorded too and a Chrome trace is written there."""
     from torch.profiler import ProfilerActivity, profile
     _sync(device)
     if not report:
@@ -159,8 +164,9 @@ def _profile(step, steps: int, device: torch.device, title: str, report: bool, t
             step()
         _sync(device)
         return
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace_dir else [])
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         _sync(device)
@@ -168,10 +174,20 @@ def _profile(step, steps: int, device: torch.device, title: str, report: bool, t
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     from zoo_profile import cuda_kernels, top_lines   # the zoo probe's table
     kernels = cuda_kernels(prof, steps)
+    groups = {"gemm": ("gemm", "cutlass", "sm90", "nvjet", "cublas"), "attention": ("flash", "fmha", "attention"),
+              "nccl": ("nccl",)}
+    by_group = {g: sum(v[0] for n, v in kernels.items() if any(w in n.lower() for w in words))
+                for g, words in groups.items()}
     busy = sum(v[0] for v in kernels.values())
-    print(f"## profile {title}: wall {wall:.2f} ms/step (profiled), GPU {busy:.2f} ms/step, "
-          f"{sum(v[1] for v in kernels.values()):.0f} kernels/step", flush=True)
+    by_group["other (fused, ATen elementwise)"] = busy - sum(by_group.values())
+    print(f"## profile {title}: wall {wall:.2f} ms/step (profiled), compute kernels "
+          f"{busy - by_group['nccl']:.2f} ms/step, NCCL {by_group['nccl']:.2f}, "
+          f"{sum(v[1] for v in kernels.values()):.0f} kernels/step; "
+          + ", ".join(f"{g} {ms:.2f}" for g, ms in by_group.items()), flush=True)
     print("\n".join(top_lines(kernels, top)), flush=True)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace_dir, f"{title.replace(' ', '_')}.json"))
 
 
 def _reference(name: str, args, device: torch.device, world: int) -> dict[str, torch.Tensor]:
@@ -279,7 +295,7 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, print rank 0's GPU kernels over N steps (torch.profiler)")
     ap.add_argument("--trace-dir", default=None,
-                    help="--fsdp-tp --profile: also write rank 0's Chrome trace per backend here")
+                    help="--profile: also record host ops and write rank 0's Chrome trace per run here")
     ap.add_argument("--tf-options", default="", help="--fsdp-tp: torchfuse's options, as JSON")
     ap.add_argument("--fsdp-tp", action="store_true",
                     help="FSDP2 x tensor parallel Llama-style training instead of the zoo (fsdp_tp_llama.py)")

@@ -169,7 +169,7 @@ def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, 
         profile_steps: int = 0, trace_dir: str | None = None, tf_options: dict | None = None) -> dict:
     """Train `steps` steps with `backend` ("eager", "inductor", "torchfuse"), bf16 mixed
     precision if `mixed`; the measurements.  With `profile_steps`, rank 0 then profiles that
-    many more steps (`_profile`); `tf_options`: torchfuse's options."""
+    many more steps (`distributed_bench._profile`); `tf_options`: torchfuse's options."""
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -220,8 +220,9 @@ def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, 
         gc.callbacks.remove(gc_timer)
     load1 = os.getloadavg()[0]        # other processes busy on the host during the steps?
     if profile_steps and device.type == "cuda":
-        _profile(lambda: train_step(steps), profile_steps, device, backend, report=dist.get_rank() == 0,
-                 trace_dir=trace_dir)
+        from distributed_bench import _profile      # (it imports this module only inside a function)
+        _profile(lambda: train_step(steps), profile_steps, device, f"fsdp_tp {backend}",
+                 report=dist.get_rank() == 0, top=15, trace_dir=trace_dir)
     # the loss of the global batch: the mean over dp ranks (tp ranks hold the same value)
     curve = torch.stack(losses).float()
     dist.all_reduce(curve, group=mesh["dp"].get_group())
@@ -238,48 +239,6 @@ def run(backend: str, cfg: LlamaConfig, mesh, device: torch.device, steps: int, 
     return dict(backend=backend, params_m=params / 1e6, first_s=first_s, ms=step_s * 1e3,
                 tokens_s=cfg.batch * cfg.seq / step_s, peak_mib=peak, gc_ms=gc_step_s * 1e3, load1=load1,
                 losses=curve)
-
-
-def _profile(step, steps: int, device: torch.device, title: str, report: bool,
-             trace_dir: str | None = None, top: int = 15) -> None:
-    """Where a step's time goes on the reporting rank (every rank must step: the collectives
-    need them all): wall ms per step, the compute stream's kernel time apart from NCCL's (the
-    two overlap), host ms per step spent launching (CPU time in the compiled blocks and ATen),
-    and the top kernels.  A Chrome trace per backend goes to `trace_dir` if given."""
-    from torch.profiler import ProfilerActivity, profile
-    _sync(device)
-    if not report:
-        for _ in range(steps):
-            step()
-        _sync(device)
-        return
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        _sync(device)
-    wall = (time.perf_counter() - t0) * 1e3 / steps
-    kernels: dict[str, list[float]] = {}
-    for evt in prof.events():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(evt.name, [0.0, 0])
-            k[0] += evt.device_time / 1e3 / steps
-            k[1] += 1 / steps
-    nccl = sum(v[0] for n, v in kernels.items() if "nccl" in n.lower())
-    compute = sum(v[0] for n, v in kernels.items() if "nccl" not in n.lower())
-    groups = {"gemm": ("gemm", "cutlass", "sm90", "nvjet", "cublas"), "attention": ("flash", "fmha", "attention"),
-              "triton": ("triton",), "nccl": ("nccl",)}
-    by_group = {g: sum(v[0] for n, v in kernels.items() if any(w in n.lower() for w in words))
-                for g, words in groups.items()}
-    by_group["other"] = compute + nccl - sum(by_group.values())
-    print(f"## profile {title}: wall {wall:.2f} ms/step (profiled), compute kernels {compute:.2f} ms, "
-          f"NCCL {nccl:.2f} ms, {sum(v[1] for v in kernels.values()):.0f} kernels/step; "
-          + ", ".join(f"{g} {ms:.2f}" for g, ms in by_group.items()), flush=True)
-    for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
-        print(f"  {ms:8.3f} ms  {calls:5.0f}x  {name[:110]}", flush=True)
-    if trace_dir:
-        os.makedirs(trace_dir, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace_dir, f"fsdp_tp_{title}.json"))
 
 
 def table(results: list[dict], header: str) -> str:
