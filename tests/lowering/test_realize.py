@@ -560,3 +560,27 @@ def test_expanded_scatter_index_is_not_stored(tf, backend):
     scores = [k for k in e.kernels if any("(where)" in w for w in k.writes)]
     assert len(scores) == 1 and any("(scatter_reduce)" in w for w in scores[0].writes), \
         [(k.name, k.writes) for k in e.kernels]
+
+
+def _gin_layer_input(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor, src: torch.Tensor,
+                     dst: torch.Tensor) -> torch.Tensor:
+    # a GIN layer's aggregation of the previous layer's activation: its gather-scatter and its
+    # (1 + eps) * x term both read x
+    x = torch.relu(h @ w + b)
+    return torch.zeros_like(x).index_add(0, dst, x[src]) + 1.5 * x
+
+
+@pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])
+def test_cheap_activation_read_by_a_scatter_is_recomputed_on_a_gpu(tf, monkeypatch, gpu):
+    """On a GPU relu(h @ w + b), read by a gather-scatter and an elementwise kernel, is computed
+    in each (`realize.reads_as_stored`: each loads the matmul's output where it would load the
+    stored activation); on the CPU the scatter's second evaluation costs more than storing it."""
+    from torchfuse.lowering import realize
+    monkeypatch.setattr(realize, "on_gpu", lambda lowering: gpu)
+    nodes, width, edges = 300, 128, 1000            # (stored only from 32768 elements)
+    h, w, b = tf.rand((nodes, 64)), tf.rand((64, width), low=-0.2, high=0.2), tf.rand((width,))
+    src, dst = torch.randint(0, nodes, (edges,)), torch.randint(0, nodes, (edges,))
+    e = tf.check(_gin_layer_input, h, w, b, src, dst, atol=1e-4, rtol=1e-4, allow_fallbacks={"aten.mm.default"},
+                 options={"cpu_backend": "triton", "cublas_devices": ("cpu",)})
+    stored = [k for k in e.kernels if any("relu" in w for w in k.writes)]
+    assert bool(stored) != gpu, [(k.name, k.writes) for k in e.kernels]

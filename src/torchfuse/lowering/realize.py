@@ -18,7 +18,7 @@ into its own kernel.  It is stored in a buffer (realized) instead when:
 - several scatters would each compute it, in kernels of their own, at a higher cost than
   storing it (`scatter_recomputes`: a GAT layer's edge scores; never an index expanded over
   heads, which each scatter reads at its smaller size, nor on a GPU a gather of whole rows,
-  `gathers_rows`).
+  `gathers_rows`, or cheap arithmetic on one buffer of its size, `reads_as_stored`).
 Where it is stored: channels-last when computed from channels-last buffers only
 (`channels_last_inputs`); row-major when computed from smaller inputs only and read by kernels
 only (`broadcast_only_for_kernels`); an attention bias with aligned strides, once per broadcast mask
@@ -60,7 +60,8 @@ def should_store(lowering: Any, node: fx.Node, value: ComputedValue) -> bool:
         body = _body(value)
         if cost(body) > config.inline_max_cost:
             return True
-        why = "" if on_gpu(lowering) and gathers_rows(value, body) else scatter_recomputes(node, value, body)
+        recomputed_free = on_gpu(lowering) and (gathers_rows(value, body) or reads_as_stored(value, body))
+        why = "" if recomputed_free else scatter_recomputes(node, value, body)
         if why:
             value.stored_because = why        # (explain() lists it with the refused fusions)
             log.debug("%s: stored, %s", node.name, why)
@@ -174,6 +175,22 @@ def gathers_rows(value: ComputedValue, body: Node) -> bool:
     width = value.shape[-1]
     return unit_move(substitute(address, gathered), last.arg) == 1 and width.op == "const" and \
         int(width.arg) * value.dtype.itemsize >= ROW_GATHER_BYTES
+
+
+def reads_as_stored(value: ComputedValue, body: Node) -> bool:
+    """Does recomputing the value in a reader read what reading it stored would?  Cheap
+    arithmetic (nothing from EXPENSIVE_OPS) on one buffer of the value's size, plus broadcast
+    ones (a bias), loaded at the value's own indices (no gather): each reader loads that buffer
+    where it would load the stored copy, and on a GPU, where such kernels are memory-bound, the
+    arithmetic is free, so storing only adds a write (and the memory).  GIN's activation
+    relu(x @ w + b), read by the next layer's gather-scatter and by its (1 + eps) * x term, was
+    stored (`scatter_recomputes` counts the arithmetic, as a CPU pays it): 100 MB a layer written
+    and read again, peak memory +15% against Inductor's, which recomputes it."""
+    if any(n.op in EXPENSIVE_OPS for n in _walk(body)):
+        return False
+    if any(any(x.op == "load" for x in _walk(ld.args[0])) for ld in _loads(body)):
+        return False
+    return len(full_read_buffers(body, value.shape)) <= 1
 
 
 def _broadcasts_smaller(node: fx.Node) -> bool:
