@@ -132,8 +132,7 @@ def scatter_recomputes(node: fx.Node, value: ComputedValue, body: Node) -> str:
     k = len(scatters) + int(other)
     if not scatters or k < 2 or _broadcasts_smaller(node):
         return ""
-    gathers = sum(1 for ld in _loads(body) if any(x.op == "load" for x in _walk(ld.args[0])))
-    per_eval = cost(body) + gathers
+    per_eval = cost(body) + _gathers(body)
     if (k - 1) * per_eval <= k + 1:
         return ""
     size = _static_numel(value.shape)
@@ -188,9 +187,12 @@ def reads_as_stored(value: ComputedValue, body: Node) -> bool:
     and read again, peak memory +15% against Inductor's, which recomputes it."""
     if any(n.op in EXPENSIVE_OPS for n in _walk(body)):
         return False
-    if any(any(x.op == "load" for x in _walk(ld.args[0])) for ld in _loads(body)):
-        return False
-    return len(full_read_buffers(body, value.shape)) <= 1
+    return not _gathers(body) and len(full_read_buffers(body, value.shape)) <= 1
+
+
+def _gathers(body: Node) -> int:
+    """The body's gathers: loads at a loaded index."""
+    return sum(1 for ld in _loads(body) if any(x.op == "load" for x in _walk(ld.args[0])))
 
 
 def _broadcasts_smaller(node: fx.Node) -> bool:

@@ -236,9 +236,9 @@ def enabled() -> bool:
 def default_workers() -> int:
     """Compile workers for this process: its share of the cores it may run on, at most 16.  Ranks
     of a distributed job on one host (torchrun's LOCAL_WORLD_SIZE, else the GPUs an initialized
-    process group spreads over) split the cores: sixteen workers per rank starting beside the
-    of the host (4 ranks x 16 on 64 cores) would compete with the ranks' own host work, which
-    sets the pace of tensor-parallel steps."""
+    process group spreads over) split the cores: sixteen workers per rank (4 ranks x 16 on 64
+    cores) would compete with the ranks' own host work, which sets the pace of tensor-parallel
+    steps."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):      # (not on Linux)
@@ -253,7 +253,6 @@ def local_processes() -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local.isdigit() and int(local) > 0:
         return int(local)
-    import torch
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         return max(1, min(dist.get_world_size(), torch.cuda.device_count() or dist.get_world_size()))
