@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import torch
 import torch.nn as nn
 
@@ -65,3 +67,25 @@ def test_random_steps_keep_their_order(tmp_path):
     got = compiled(x)
     torch.manual_seed(7)
     torch.testing.assert_close(got, fn(x), rtol=1e-5, atol=1e-5)
+
+
+def _layer_then_aggregate(h, w1, b, w2, src, dst):
+    """An activation, a matmul, then the next aggregation's zeros: the zeros could be computed
+    by the activation's kernel, before the matmul."""
+    y = torch.relu(h @ w1 + b) @ w2
+    return torch.zeros_like(y).index_add(0, dst, y[src] * 0.5)
+
+
+@pytest.mark.parametrize("nodes", [2048, 64])
+def test_a_large_accumulator_is_not_allocated_before_a_matmul(tf, nodes):
+    """A scatter's zeros join an earlier kernel only where small (scheduler/fusion.py
+    `_join_earlier`): 1 MiB of them (2048 x 128 fp32) would otherwise be alive beside the
+    matmul's output, for one launch saved; 32 KiB still join."""
+    width = 128
+    h, w1, b = tf.rand((nodes, 32)), tf.rand((32, width), low=-0.2, high=0.2), tf.rand((width,))
+    w2 = tf.rand((width, width), low=-0.1, high=0.1)
+    src, dst = torch.randint(0, nodes, (3 * nodes,)), torch.randint(0, nodes, (3 * nodes,))
+    e = tf.check(_layer_then_aggregate, h, w1, b, w2, src, dst, atol=1e-4, rtol=1e-4,
+                 allow_fallbacks={"aten.mm.default", "aten.addmm.default"})
+    joined = [k.name for k in e.kernels if any("relu" in w for w in k.writes) and any("index_add" in w for w in k.writes)]
+    assert bool(joined) == (nodes == 64), [(k.name, k.writes) for k in e.kernels]
