@@ -132,3 +132,32 @@ def test_compiled_dropout_draws_eagers_mask(backend: str) -> None:
         actual = compiled(x)
     assert torch.equal(actual == 0, expected == 0)
     torch.testing.assert_close(actual, expected)
+
+
+def test_training_row_judges_outputs_and_gradients() -> None:
+    """A training row judges each tensor of the forward's output and every parameter gradient,
+    not the scalar loss (a random projection of the outputs' errors): a forward scaled by
+    1 + 1e-4 fails on its output, named as such."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled().train()
+    model.scale = 1.0
+    inputs = (torch.randn(32, 16, generator=torch.Generator().manual_seed(1)),)
+    step = zoo.TrainStep(model, model, _loss, inputs).first()
+    judged = zoo.row_tensors("train", step)
+    assert [tuple(t.shape) for t in judged] == [(32, 8), (8, 16), (8,)]
+    row = zoo.Row("scaled", "mlp", "train", "fp32", "cpu", "cpu")
+    judge = zoo.Judge(row, model, inputs, _loss, [n for n, _ in model.named_parameters()])
+    for backend, scale in (("eager", 1.0), ("torchfuse", 1.0 + 1e-4)):
+        m = copy.deepcopy(model)
+        m.scale = scale
+        torch._dynamo.reset()
+        judge(backend, zoo.TrainStep(m, zoo.compile_with(backend, m), _loss, inputs).first())
+    assert not row.results["torchfuse"].ok and any("output 0" in n for n in row.notes), row.notes
