@@ -264,13 +264,13 @@ LOOK_BACK = 3
 EARLY_ALLOCATION_BYTES = 1 << 20
 
 
-def _nbytes(step: ComputedBuffer) -> float:
-    """The buffer's size in bytes; infinite where a size is symbolic."""
+def _nbytes(step: ComputedBuffer) -> int:
+    """The buffer's size in bytes, a symbolic size counted as 1 (a lower bound: the shape-generic
+    graphs of `torchfuse.lazy` keep their small buffers' fusions)."""
     n = step.dtype.itemsize
     for size in step.layout.sizes:
-        if size.op != "const" or not isinstance(size.arg, int):
-            return math.inf
-        n *= size.arg
+        if size.op == "const" and isinstance(size.arg, int):
+            n *= size.arg
     return n
 
 
