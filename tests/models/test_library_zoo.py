@@ -1,6 +1,6 @@
 """The libraries' own models (benchmarks/zoo_library.py) through torchfuse at their "tiny" size,
-judged as the zoo judges them (torchfuse.tools.accuracy): every output tensor, or the loss and
-every parameter gradient of a training step, against the model in higher precision (fp64 for
+judged as the zoo judges them (torchfuse.tools.accuracy): every output tensor, or every tensor of
+the forward's output and every parameter gradient of a training step, against the model in higher precision (fp64 for
 fp32, fp32 for bf16), within 1.5x eager's error; strict mode, and no graph may run eagerly.
 A library that is not installed (or does not import on this torch) skips its cases.  The cases
 of a library that patches torch when imported run in one child pytest (ISOLATED)."""
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from torchfuse import counters
-from torchfuse.tools.accuracy import flatten, judge, judge_all, nudged_errors, reference_dtype, to_reference
+from torchfuse.tools.accuracy import flatten, judge_all, nudged_errors, reference_dtype, to_reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import zoo_library  # noqa: E402
@@ -85,10 +85,22 @@ def _model(name: str, dtype: torch.dtype) -> tuple[Any, torch.nn.Module, tuple[t
 
 
 def _step(zm: Any, model: torch.nn.Module, forward: Any, inputs: tuple) -> list[torch.Tensor]:
-    loss = zm.loss(forward(*inputs), inputs)
-    loss.backward()
-    return [loss.detach()] + [p.grad if p.grad is not None else torch.zeros_like(p)
-                              for p in model.parameters() if p.requires_grad]
+    """The forward's output tensors, then every parameter gradient after the loss's backward
+    (the zoo's training judge: the scalar loss is a random projection of the outputs' errors)."""
+    out = forward(*inputs)
+    zm.loss(out, inputs).backward()
+    return [t.detach() for t in flatten(out)] + [p.grad if p.grad is not None else torch.zeros_like(p)
+                                                 for p in model.parameters() if p.requires_grad]
+
+
+def _judge_step(actual: list, eager: list, reference: list, params: int, nudged: list | None = None) -> Any:
+    """Outputs judged on their own scale, gradients on their shared one (benchmarks/zoo.py Judge)."""
+    n = len(reference) - params
+    nudged = nudged or [0.0] * len(reference)
+    out = judge_all(actual[:n], eager[:n], reference[:n], nudged_errors=nudged[:n])
+    if not out.ok:
+        return out
+    return judge_all(actual[n:], eager[n:], reference[n:], shared_scale=True, nudged_errors=nudged[n:])
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -118,8 +130,8 @@ def test_library_model(case: tuple[str, str, torch.dtype], request: pytest.Fixtu
         compiled = copy.deepcopy(model)
         reference, eager = _step(zm, ref_model, ref_model, ref_inputs), _step(zm, model, model, inputs)
         actual = _step(zm, compiled, torch.compile(compiled, backend="torchfuse", options={"strict": True}), inputs)
-        loss = judge(actual[0], eager[0], reference[0], name="loss")
-        verdict = loss if not loss.ok else judge_all(actual[1:], eager[1:], reference[1:], shared_scale=True)
+        params = sum(1 for p in model.parameters() if p.requires_grad)
+        verdict = _judge_step(actual, eager, reference, params)
     assert counters["kernels_generated"] > before.get("kernels_generated", 0), "torchfuse generated no kernels"
     assert counters["eager_fallbacks"] == before.get("eager_fallbacks", 0), "a torchfuse graph ran eagerly"
     if not verdict.ok:
@@ -130,9 +142,7 @@ def test_library_model(case: tuple[str, str, torch.dtype], request: pytest.Fixtu
         if mode == "infer":
             verdict = judge_all(actual, eager, reference, nudged_errors=nudged)
         else:
-            loss = judge(actual[0], eager[0], reference[0], name="loss", nudged_error=nudged[0])
-            verdict = loss if not loss.ok else judge_all(actual[1:], eager[1:], reference[1:], shared_scale=True,
-                                                         nudged_errors=nudged[1:])
+            verdict = _judge_step(actual, eager, reference, params, nudged)
     assert verdict.ok, f"{name} {mode}: {verdict}"
 
 
