@@ -89,3 +89,17 @@ def test_a_large_accumulator_is_not_allocated_before_a_matmul(tf, nodes):
                  allow_fallbacks={"aten.mm.default", "aten.addmm.default"})
     joined = [k.name for k in e.kernels if any("relu" in w for w in k.writes) and any("index_add" in w for w in k.writes)]
     assert bool(joined) == (nodes == 64), [(k.name, k.writes) for k in e.kernels]
+
+
+def _reads_across_a_matmul(h, w1, w2):
+    a = torch.relu(h @ w1)
+    return a @ w2, a * 2.0 + 1.0
+
+
+def test_a_large_step_reading_an_earlier_kernel_still_joins_it(tf):
+    """`a * 2 + 1`, after the second matmul, joins the kernel that made `a` (1 MiB): reading
+    `a` there saves reading it again, whatever its lifetime."""
+    h, w1, w2 = tf.rand((2048, 32)), tf.rand((32, 128), low=-0.2, high=0.2), tf.rand((128, 16), low=-0.2, high=0.2)
+    e = tf.check(_reads_across_a_matmul, h, w1, w2, atol=1e-4, rtol=1e-4, kernels=1,
+                 allow_fallbacks={"aten.mm.default"})
+    assert any("relu" in w for w in e.kernels[0].writes) and len(e.kernels[0].writes) == 2, e.kernels[0].writes

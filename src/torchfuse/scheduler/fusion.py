@@ -452,24 +452,31 @@ def _join_earlier(items: list, current: Kernel | None, step: ComputedBuffer, con
     it.  (A layer norm backward's input gradient joins the row sums it needs, past the kernel of
     its weight gradient's column sums that came between.)
 
-    A large buffer never moves past an ATen call that returns a tensor: it would then be
-    allocated before that call's output and live beside it.  GIN's next-layer scatter
-    accumulator (zeros, 100 MB, read by nothing in between) joined the activation kernel before
-    the layer's matmul, and at the matmul three activation-sized buffers were alive where two
-    suffice: +15% peak memory, to save one launch.  A small one saves the launch for nothing."""
+    A large buffer that reads nothing of a kernel does not join it past an ATen call that
+    returns a tensor: it would then be allocated before that call's output and live beside it,
+    to save one launch.  GIN's next-layer scatter accumulator (zeros, 100 MB) joined the
+    activation kernel before the layer's matmul, and at the matmul three activation-sized
+    buffers were alive where two suffice (+15% peak memory).  A step that reads the kernel's
+    values still joins it: that saves reading them again."""
     reads = {ld.arg for ld in loads(step.body)}
     later = _defines(current) if current is not None else set()
     seen = 1 if current is not None else 0
-    small = _nbytes(step) < EARLY_ALLOCATION_BYTES
+    large = _nbytes(step) >= EARLY_ALLOCATION_BYTES
+    crossed = False               # past an ATen call that allocates its output
     for pos in range(len(items) - 1, -1, -1):
         item = items[pos]
-        if isinstance(item, FallbackCall) and (item.binds or (not small and any(o is not None for o in item.outputs))):
-            return False          # sizes known only after that call, or its output allocated after step's
+        if isinstance(item, FallbackCall):
+            if item.binds:
+                return False      # sizes known only after that call
+            crossed = crossed or any(o is not None for o in item.outputs)
         if isinstance(item, Kernel):
             if seen == LOOK_BACK:
                 return False
             seen += 1
-            if not reads & later and len(item.members) < config.max_fusion_size:
+            if large and crossed and not reads & _defines(item):
+                log.debug("%s not joined to %s before an ATen call: its %d bytes would be alive across the call",
+                          step.name, item.name, _nbytes(step))
+            elif not reads & later and len(item.members) < config.max_fusion_size:
                 joined, _ = _try_join(item, step)
                 if joined is not None:
                     items[pos] = joined
