@@ -217,9 +217,13 @@ def perturbed_errors(model: nn.Module, inputs: tuple, loss: Callable | None, ref
                                    runs=PERTURBED_RUNS, input_noise=PERTURBATION, seed=7)
     if device == "cuda":
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        other = precise_reference(model, inputs, "cpu", loss, dtype)
-        worst = [max(w, accuracy.rmse(t, r)) for w, t, r in zip(worst, other, reference)]
-        del other
+        try:
+            other = precise_reference(model, inputs, "cpu", loss, dtype)
+        except Exception as e:   # an op without a CPU kernel for the dtype: the nudged runs alone
+            print(f"  eager on the CPU fails ({_short(e)}): judged by the nudged runs alone", flush=True)
+        else:
+            worst = [max(w, accuracy.rmse(t, r)) for w, t, r in zip(worst, other, reference)]
+            del other
     return worst
 
 
