@@ -445,14 +445,14 @@ def _emit_online(em: TritonEmitter, plan: LoopPlan, stage, nxt) -> None:
     em.mask = "xmask & rmask"
     v = em.tmp(f"tl.where(xmask & rmask, {em.value(m.body)}, -1e999)")
     new = em.tmp(f"_max_nan({acc_m}, {v})")
-    scale = em.tmp(f"tl.where({new} == {acc_m}, 1.0, tl.exp({acc_m} - {new}))")
-    term = em.tmp(f"tl.where({new} == -1e999, 0.0, tl.exp({v} - {new}))")
+    scale = em.tmp(f"tl.where({new} == {acc_m}, 1.0, {em.exp_fn}({acc_m} - {new}))")
+    term = em.tmp(f"tl.where({new} == -1e999, 0.0, {em.exp_fn}({v} - {new}))")
     em.line(f"{acc_s} = {acc_s} * {scale} + {term}")
     em.line(f"{acc_m} = {new}")
     _close_row_loop(em)
     _finish_reduction(em, plan, m, None, acc_m)
     row_max = em.local_of(load(m.buffer.name, m.store, torch.float32))
-    _finish_reduction(em, plan, n, None, None, result=f"tl.sum({acc_s} * tl.exp({acc_m} - {row_max}), 1)[:, None]")
+    _finish_reduction(em, plan, n, None, None, result=f"tl.sum({acc_s} * {em.exp_fn}({acc_m} - {row_max}), 1)[:, None]")
 
 
 def _variance_pair(stage, nxt):

@@ -33,6 +33,11 @@ class TritonEmitter(ExprEmitter):
         super().__init__(buffers, indent)
         self.mask = "None"
         self.interpreter = _interpreting()
+        # exp and sqrt as eager's CUDA kernels round them (and Inductor emits them): libdevice's
+        # expf (~1 ulp) and IEEE sqrt, not Triton's fast forms (tl.exp is ex2.approx of
+        # x * log2(e): its error grows with |x|, to ~20 ulps at a softmax's |x| ~ 20; tl.sqrt is
+        # sqrt.approx).  The interpreter has no libdevice; numpy's exp and sqrt are precise there.
+        self.exp_fn = "tl.exp" if self.interpreter else "libdevice.exp"
         self.unstored: set[str] = set()     # stored buffers this variant keeps in registers
         self.static: set[str] = set()       # numels shadowed by their compile-time value
         self.drop_masks = True              # may a static numel's mask be dropped (_emit_mask)
@@ -238,6 +243,10 @@ class TritonEmitter(ExprEmitter):
         if o == "fmod" and not dt.is_floating_point:
             x, y = self.value(a[0]), self.value(a[1])
             return f"tl.where({y} == -1, 0, {x} % {self._checked_divisor(n, y)})"
+        if o == "exp" and dt == torch.float32:
+            return f"{self.exp_fn}({self.value(a[0])})"
+        if o == "sqrt" and dt == torch.float32 and not self.interpreter:
+            return f"tl.sqrt_rn({self.value(a[0])})"
         if o in _CORE:
             return f"{_CORE[o]}({self.value(a[0])})"
         if o in _LIBDEVICE:
