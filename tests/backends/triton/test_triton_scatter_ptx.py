@@ -6,11 +6,8 @@ The kernel is generated here (under Triton's interpreter, launches intercepted) 
 for a CUDA sm_90 target in a child process without the interpreter, with the ptxas Triton
 bundles: no GPU needed.  Skipped where Triton cannot compile for CUDA.
 """
-import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,43 +16,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 import torchfuse  # noqa: E402
+from sm90_ptx import sm90_ptx  # noqa: E402
 from torchfuse.backends.triton import launch  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
-
-# compiles the kernel in argv[1] (JSON: source, name, argument types) for sm_90, prints its
-# atomic instructions; "SKIP: why" where this Triton has no CUDA compiler
-_COMPILE = r'''
-import json, re, sys, importlib.util, inspect
-try:
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    assert knobs.nvidia.ptxas.path
-except Exception as e:
-    print(f"SKIP: no CUDA compiler in this Triton: {type(e).__name__}: {e}")
-    sys.exit(0)
-from torchfuse.backends.triton.module import module_source
-case = json.load(open(sys.argv[1]))
-path = sys.argv[1][:-5] + "_kernel.py"
-open(path, "w").write(module_source([case["source"]], interpreter=False))
-spec = importlib.util.spec_from_file_location("scatter_kernel", path)
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-fn = getattr(mod, case["name"])
-params = list(inspect.signature(fn.fn).parameters)
-sig, attrs = {}, {}
-for i, (p, ty) in enumerate(zip(params, case["types"])):
-    sig[p] = ty
-    if ty.startswith("*"):
-        attrs[(i,)] = [["tt.divisibility", 16]]      # (a launch's 16-byte-aligned tensors)
-for p in params[len(case["types"]):]:
-    sig[p] = "constexpr"
-c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=case["constexprs"], attrs=attrs),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": case["warps"]})
-print(" ".join(re.findall(r"\b(?:red|atom)\.[\w.]+", c.asm["ptx"])))
-'''
 
 
 def _scatter_kernel(fn, *args) -> dict:
@@ -85,18 +49,8 @@ def test_scatter_add_of_wide_rows_vectorizes_on_sm90(tmp_path):
     x = torch.randn(37, 256)
     ei = torch.randint(0, 37, (2, 101))
     case = _scatter_kernel(gin, x, ei)
-    path = tmp_path / "case.json"
-    path.write_text(json.dumps(case))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(torchfuse.__path__[0])] +
-                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    run = subprocess.run([sys.executable, "-c", _COMPILE, str(path)], capture_output=True, text=True, env=env,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout.strip()
-    if out.startswith("SKIP:"):
-        pytest.skip(out[5:].strip())
-    forms = set(out.split())
+    ptx = sm90_ptx(tmp_path, case["name"], case["source"], case["types"], case["constexprs"], case["warps"])
+    forms = set(re.findall(r"\b(?:red|atom)\.[\w.]+", ptx))
     assert forms, f"no atomic in the kernel's PTX:\n{case['source']}"
     assert all(re.search(r"\.v[248]\.", f) for f in forms), f"scalar atomics {forms}:\n{case['source']}"
     # the row tile (codegen.scatter_tile): the edge index is read once per row, [YBLOCK, 1]
