@@ -156,7 +156,7 @@ def _profile(step, steps: int, device: torch.device, title: str, report: bool, t
     """GPU time per step by kernel, printed by the rank that reports (the others only step: the
     collectives need them all): wall ms per step, the compute kernels' time apart from NCCL's
     (the two overlap), time by kernel group, and the top kernels.  With `trace_dir`, host ops
-    are recorded too and a Chrome trace is written there."""
+    are recorded too, the costliest printed by self time, and a Chrome trace is written there."""
     from torch.profiler import ProfilerActivity, profile
     _sync(device)
     if not report:
@@ -185,7 +185,9 @@ def _profile(step, steps: int, device: torch.device, title: str, report: bool, t
           f"{sum(v[1] for v in kernels.values()):.0f} kernels/step; "
           + ", ".join(f"{g} {ms:.2f}" for g, ms in by_group.items()), flush=True)
     print("\n".join(top_lines(kernels, top)), flush=True)
-    if trace_dir:
+    if trace_dir:       # host ops too: where a host-bound step's time goes
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top * 2,
+                                        max_name_column_width=70), flush=True)
         os.makedirs(trace_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(trace_dir, f"{title.replace(' ', '_')}.json"))
 
