@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from zoo import Row
 
 PERTURBATION, PERTURBED_RUNS = 1e-6, 4   # see perturbed_errors
+# nudged runs for a row whose eager results change from one run to the next (perturbed_errors)
+UNORDERED_RUNS = 16
 # Every run that is judged (the reference, eager, each compiler's first call, the nudged runs)
 # starts from this seed, as PyTorch's harness resets its RNGs before each run: a training row with
 # dropout (torchvision's MobileNetV2 classifier, p=0.2) otherwise draws a new mask in each, and
@@ -97,20 +99,24 @@ def perturbed_errors(model: nn.Module, inputs: tuple, loss: Callable | None, ref
                      device: str = "cpu") -> list[float]:
     """Per tensor, eager's worst RMSE vs the reference on nudged data (accuracy.nudge): inputs
     moved by PERTURBATION relative noise, parameters by one unit roundoff: how far rounding-sized
-    changes move this row's results.  A ReLU whose input sits within rounding of zero flips, and
-    through train-mode BatchNorm over a few values per channel (RegNetY's last 2x2 maps at batch
-    4) one flip moves a gradient by 10-20%: eager itself lands that far from the reference on such
-    a nudge.  A model of token ids has no floating input: its weights are what moves (T5-base's
-    training step over 8x512 tokens: eager's gradients 1e-4 to 1e-3 off the fp64 ones, and eager
-    on weights nudged by a unit roundoff up to 1.26x the 1.5x bound on some of them).
+    changes move this row's results.  Eager rerun on the row's own data counts too, and a row
+    whose eager results differ between runs draws more nudges (eager_reruns).  A ReLU whose
+    input sits within rounding of zero flips, and through train-mode BatchNorm over a few values
+    per channel (RegNetY's last 2x2 maps at batch 4) one flip moves a gradient by 10-20%: eager
+    itself lands that far from the reference on such a nudge.  A model of token ids has no
+    floating input: its weights are what moves (T5-base's training step over 8x512 tokens:
+    eager's gradients 1e-4 to 1e-3 off the fp64 ones, and eager on weights nudged by a unit
+    roundoff up to 1.26x the 1.5x bound on some of them).
 
     On CUDA, eager on the CPU (same precision, same weights and random draws) counts as one more
     such evaluation: PyTorch's CPU kernels sum in other orders, as valid as CUDA's.  T5-base's
     step (H200): eager on the CPU lands 1.6-3.9x as far from fp64 as eager on CUDA on its last
     encoder block's gradients, Inductor 1.6-2.6x, torchfuse 1.9-5.6x: on such a tensor one
     evaluation's error is a draw, and judging by CUDA eager's alone failed both compilers."""
-    worst = accuracy.nudged_errors(model, inputs, reference, lambda moved, args: reference_run(moved, args, loss),
-                                   runs=PERTURBED_RUNS, input_noise=PERTURBATION, seed=7)
+    worst, runs = eager_reruns(model, inputs, loss, reference)
+    nudged = accuracy.nudged_errors(model, inputs, reference, lambda moved, args: reference_run(moved, args, loss),
+                                    runs=runs, input_noise=PERTURBATION, seed=7)
+    worst = [max(w, n) for w, n in zip(worst, nudged)]
     if device == "cuda":
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         try:
@@ -121,6 +127,24 @@ def perturbed_errors(model: nn.Module, inputs: tuple, loss: Callable | None, ref
             worst = [max(w, accuracy.rmse(t, r)) for w, t, r in zip(worst, other, reference)]
             del other
     return worst
+
+
+def eager_reruns(model: nn.Module, inputs: tuple, loss: Callable | None,
+                 reference: list[torch.Tensor]) -> tuple[list[float], int]:
+    """Eager twice more on the row's own data: per tensor the worse RMSE against `reference`, and
+    how many nudged runs perturbed_errors should draw: PERTURBED_RUNS, or UNORDERED_RUNS when
+    the two results differ (kernels that sum in a new order every run: CUDA's index_add and
+    scatter_add by atomics).  Such a row's error is a draw from a heavy tail: torch_geometric's
+    GIN training step at the zoo's GPU size (100k nodes, 1M edges), eager fp32 on the CPU with its
+    edges in 8 random orders (the sums' order is all that changes), put `convs.2.nn.lins.0.weight`'s
+    gradient 3.9e-8 from fp64 in most orders and 9.6e-7 in one (a ReLU input within rounding of
+    zero flips); its bias 1.2e-9 to 1.3e-7.  Four draws do not bound one more: on the H200
+    torchfuse's step failed the second check in two of five runs of the same code."""
+    first = reference_run(copy.deepcopy(model), inputs, loss)
+    second = reference_run(copy.deepcopy(model), inputs, loss)
+    same = all(torch.equal(a, b) for a, b in zip(first, second))
+    worst = [max(accuracy.rmse(a, r), accuracy.rmse(b, r)) for a, b, r in zip(first, second, reference)]
+    return worst, PERTURBED_RUNS if same else UNORDERED_RUNS
 
 
 class Judge:

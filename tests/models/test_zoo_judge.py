@@ -161,3 +161,48 @@ def test_training_row_judges_outputs_and_gradients() -> None:
         torch._dynamo.reset()
         judge(backend, zoo.TrainStep(m, zoo.compile_with(backend, m), _loss, inputs).first())
     assert not row.results["torchfuse"].ok and any("output 0" in n for n in row.notes), row.notes
+
+
+class _RowSum(nn.Module):
+    """A linear layer's rows summed in a new order on every call when `ordered` is False (as
+    CUDA's atomics sum a scatter), in one order otherwise."""
+
+    calls = 0   # on the class: every deep copy of the model shares it
+
+    def __init__(self, ordered: bool) -> None:
+        super().__init__()
+        self.lin, self.ordered = nn.Linear(16, 8), ordered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        seed = 0 if self.ordered else type(self).calls
+        perm = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))
+        rows = self.lin(x)[perm]
+        # one fp32 sum, row after row (cumsum would accumulate in double on the CPU)
+        return rows.new_zeros(1, rows.shape[1]).index_add(0, torch.zeros_like(perm), rows)[0]
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_eager_that_sums_in_a_new_order_draws_more_nudges(ordered: bool, monkeypatch) -> None:
+    """The second check's nudged runs: PERTURBED_RUNS for eager that gives the same result every
+    run, UNORDERED_RUNS for eager whose result changes with the order of its sums (the two
+    reruns on the row's own data tell), and the reruns' errors count."""
+    import zoo_judge
+    drawn: list[int] = []
+    nudged_errors = zoo_judge.accuracy.nudged_errors
+
+    def spy(*args, **kwargs):
+        drawn.append(kwargs["runs"])
+        return [0.0] * len(args[2])   # the nudged runs' errors: none, so the reruns' are what is left
+
+    monkeypatch.setattr(zoo_judge.accuracy, "nudged_errors", spy)
+    torch.manual_seed(0)
+    model = _RowSum(ordered).train()
+    inputs = (torch.randn(4099, 16, generator=torch.Generator().manual_seed(1)),)
+    loss = lambda out, args: out.square().mean()   # noqa: E731
+    reference = zoo.precise_reference(model, inputs, "cpu", loss, torch.float64)
+    errors = zoo.perturbed_errors(model, inputs, loss, reference)
+    assert drawn == [zoo_judge.PERTURBED_RUNS if ordered else zoo_judge.UNORDERED_RUNS]
+    assert zoo_judge.UNORDERED_RUNS > zoo_judge.PERTURBED_RUNS
+    assert len(errors) == 3 and errors[0] > 0, errors   # output, weight and bias gradients
+    assert nudged_errors is not spy
