@@ -141,7 +141,8 @@ def _train(backend: str, mesh) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
-def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, cache_dir: str, backends: tuple[str, ...] = ("eager", "torchfuse"),
+            tag: str = "") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFUSE_CACHE_DIR=cache_dir)
     torch.set_num_threads(1)       # 4 processes on a few cores
     dist.init_process_group("gloo", rank=rank, world_size=DP * TP)
@@ -149,11 +150,11 @@ def _worker(rank: int, port: int, out_dir: str, cache_dir: str) -> None:
         import torchfuse
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-        states = {backend: _train(backend, mesh) for backend in ("eager", "torchfuse")}
+        states = {backend: _train(backend, mesh) for backend in backends}
         if rank in (0, DP * TP - 1):
             torch.save({"states": states, "counters": dict(torchfuse.counters),
                         "dynamo": {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}},
-                       os.path.join(out_dir, f"rank{rank}.pt"))
+                       os.path.join(out_dir, f"rank{rank}{tag}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -184,3 +185,16 @@ def test_fsdp2_tensor_parallel_training_matches_one_process(tmp_path):
             for name, value in ref.state_dict().items():
                 torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5,
                                            msg=lambda m: f"{backend}, rank {rank}, {name}: {m}")
+
+    # A restart: the same processes again on the same cache load every block's graphs from the
+    # graph cache (DTensor's DeviceMesh, a graph input, is keyed by its layout and group names,
+    # not by its bytes: graph_cache._mesh_identity) and train to the same parameters.
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), str(tmp_path / "cache"), ("torchfuse",), "-restart"),
+             nprocs=DP * TP)
+    for rank in (0, DP * TP - 1):
+        first, again = torch.load(tmp_path / f"rank{rank}.pt"), torch.load(tmp_path / f"rank{rank}-restart.pt")
+        assert again["counters"].get("graph_cache_hits", 0) >= 4, again["counters"]
+        assert again["counters"].get("eager_fallbacks", 0) == 0, again["counters"]
+        for name, value in first["states"]["torchfuse"].items():
+            torch.testing.assert_close(again["states"]["torchfuse"][name], value, atol=0, rtol=0,
+                                       msg=lambda m: f"restart, rank {rank}, {name}: {m}")

@@ -423,6 +423,42 @@ def _portable_entries() -> contextlib.AbstractContextManager:
     return mock.patch.object(CacheArtifactManager, "record_artifact", staticmethod(redirect))
 
 
+def _mesh_identity(mesh: Any) -> tuple | None:
+    """What a DeviceMesh contributes to the code traced through it: its device, dim names, ranks,
+    this rank's coordinate and each dim's process group name (DTensor's collectives are traced
+    with the group's name, read from the mesh, not from the Dynamo graph the key hashes)."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+        if not isinstance(mesh, DeviceMesh):
+            return None
+        groups = tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
+        return ("DeviceMesh", mesh.device_type, mesh.mesh_dim_names, mesh.mesh.tolist(),
+                mesh.get_coordinate(), groups)
+    except Exception:   # another torch's mesh, a rank outside it: keyed as torch keys it (a miss)
+        return None
+
+
+def _stable_opaque_keys() -> contextlib.AbstractContextManager:
+    """While AOTAutograd runs for torchfuse, a DeviceMesh among a graph's inputs (DTensor graphs
+    under torch 2.13 take it as an opaque object) enters the cache key as what it contributes to
+    the traced code (_mesh_identity).  torch's own reduction pickles the object, whose bytes differ
+    from one process to the next: every restart missed (a tensor-parallel block's graphs, gloo, 4
+    processes: new entries per graph every run, never a hit).  Other opaque objects keep torch's
+    reduction."""
+    try:
+        from torch._inductor.codecache import FxGraphCachePickler, _ident
+        reduce_fake_script_object = FxGraphCachePickler._reduce_fake_script_object
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+    def reduce(self: Any, t: Any) -> Any:
+        identity = _mesh_identity(getattr(t, "real_obj", None))
+        if identity is None:
+            return reduce_fake_script_object(self, t)
+        return (_ident, (t.script_class_name, identity))
+    return mock.patch.object(FxGraphCachePickler, "_reduce_fake_script_object", reduce)
+
+
 def turn_off(reason: str) -> None:
     """No graph cache for the rest of this process (a compile failed with it, not without)."""
     global _off_reason
@@ -461,6 +497,7 @@ def enabled(config: Config, compile: Compile, wanted: bool = True, reuse_code: b
         folder = str(cache_folder(config, "graphs"))
         patches.enter_context(mock.patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: folder)))
         patches.enter_context(_portable_entries())
+        patches.enter_context(_stable_opaque_keys())
     except (AttributeError, ImportError, RuntimeError, TypeError) as e:
         patches.close()          # undo the patches that did apply
         log.debug("torchfuse: graph cache off: %s", e)
