@@ -7,7 +7,7 @@ evaluation: PyTorch's CPU kernels sum in other orders).
 
 A tensor on which eager on the CPU is as far off as a compiler is ill-conditioned (a ReLU within
 rounding of zero flips between valid evaluations); one where the compilers alone are off is a
-lead.  The zoo's check (benchmarks/zoo.py Judge) judges the same tensors.
+lead.  The zoo's check (benchmarks/zoo_judge.py Judge) judges the same tensors.
 """
 from __future__ import annotations
 
