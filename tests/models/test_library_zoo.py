@@ -94,7 +94,7 @@ def _step(zm: Any, model: torch.nn.Module, forward: Any, inputs: tuple) -> list[
 
 
 def _judge_step(actual: list, eager: list, reference: list, params: int, nudged: list | None = None) -> Any:
-    """Outputs judged on their own scale, gradients on their shared one (benchmarks/zoo.py Judge)."""
+    """Outputs judged on their own scale, gradients on their shared one (benchmarks/zoo_judge.py Judge)."""
     n = len(reference) - params
     nudged = nudged or [0.0] * len(reference)
     out = judge_all(actual[:n], eager[:n], reference[:n], nudged_errors=nudged[:n])

@@ -206,3 +206,30 @@ def test_eager_that_sums_in_a_new_order_draws_more_nudges(ordered: bool, monkeyp
     assert zoo_judge.UNORDERED_RUNS > zoo_judge.PERTURBED_RUNS
     assert len(errors) == 3 and errors[0] > 0, errors   # output, weight and bias gradients
     assert nudged_errors is not spy
+
+
+def test_inference_row_with_a_wrong_output_fails_the_second_check_too() -> None:
+    """An fp32 inference row that fails is judged again against eager on nudged data (as a
+    training row is), and an output scaled by 1 + 1e-4 still fails it."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    model.scale = 1.0
+    inputs = (torch.randn(32, 16, generator=torch.Generator().manual_seed(1)),)
+    row = zoo.Row("scaled", "mlp", "infer", "fp32", "cpu", "cpu")
+    judge = zoo.Judge(row, model, inputs, _loss, [])
+    for backend, scale in (("eager", 1.0), ("torchfuse", 1.0 + 1e-4)):
+        m = copy.deepcopy(model)
+        m.scale = scale
+        torch._dynamo.reset()
+        with torch.no_grad():
+            judge(backend, zoo.compile_with(backend, m)(*inputs))
+    assert judge._nudged is not None           # the second check ran
+    assert not row.results["torchfuse"].ok and not any("ill-conditioned" in n for n in row.notes), row.notes
