@@ -1,7 +1,7 @@
 """The zoo's accuracy check (zoo.py's Judge): each backend's first call in a row against the model
 in higher precision, judged as PyTorch's benchmark harness judges it (torchfuse.tools.accuracy),
 with a second check against eager's own error on rounding-sized nudges for ill-conditioned
-training steps.  Kept apart from zoo.py's running and timing of rows; zoo.py re-exports it.
+fp32 rows.  Kept apart from zoo.py's running and timing of rows; zoo.py re-exports it.
 """
 from __future__ import annotations
 
@@ -183,11 +183,15 @@ class Judge:
         self._nudged: list[float] | None = None   # perturbed_errors, once per row
         self.unavailable: str | None = None   # why the model cannot run in higher precision
 
+    @property
+    def _row_loss(self) -> Callable | None:
+        """The loss a training row backpropagates; an inference row's runs have none."""
+        return self.loss if self.row.mode == "train" else None
+
     def reference(self) -> list[torch.Tensor]:
         if self._ref is None:
             dtype = accuracy.reference_dtype(torch.bfloat16 if self.row.dtype == "bf16" else torch.float32)
-            self._ref = precise_reference(self.model, self.inputs, self.row.device,
-                                          self.loss if self.row.mode == "train" else None, dtype)
+            self._ref = precise_reference(self.model, self.inputs, self.row.device, self._row_loss, dtype)
         return self._ref
 
     def verdict(self, tensors: list[torch.Tensor], nudged: list[float] | None = None) -> accuracy.Verdict:
@@ -227,8 +231,8 @@ class Judge:
         if not v.ok and self.row.dtype == "fp32":
             # judged again, every tensor with the same floors, against eager's error on nudged data
             if self._nudged is None:
-                loss = self.loss if self.row.mode == "train" else None
-                self._nudged = perturbed_errors(self.model, self.inputs, loss, self.reference(), self.row.device)
+                self._nudged = perturbed_errors(self.model, self.inputs, self._row_loss, self.reference(),
+                                                self.row.device)
             nudged = self.verdict(tensors, self._nudged)
             if nudged.ok:
                 self.row.notes.append(f"{backend}: ill-conditioned: within eager's error on data nudged by "
